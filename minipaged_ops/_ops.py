@@ -1,0 +1,67 @@
+"""Thin typed wrappers over ``torch.ops.minipaged`` and the fake (meta) kernels for torch.compile.
+
+The schemas live in C++ (src_cuda/registration.cpp); nothing here re-declares them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ops = torch.ops.minipaged
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[i]``/``value[i]`` (``[num_tokens, num_kv_heads, head_dim]``) into slot
+    ``slot_mapping[i]`` of the caches, in place. Negative slots are skipped."""
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One-token attention per sequence over its cached K/V, read through ``block_tables``.
+
+    ``query`` is ``[num_seqs, num_heads, head_dim]``; returns the same shape and dtype.
+    ``max_seq_len``, if given, must bound ``seq_lens``; it only narrows the CUDA grid.
+    """
+    return _ops.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+
+
+def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy block ``src`` over block ``dst`` in both caches for each row of ``block_mapping``
+    (int64 ``[n, 2]``); destinations must be distinct and not also sources."""
+    _ops.copy_blocks(key_cache, value_cache, block_mapping)
+
+
+@torch.library.register_fake("minipaged::paged_attention_decode")
+def _paged_attention_decode_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None):
+    torch._check(query.dim() == 3, lambda: f"query: expected 3-D [num_seqs, num_heads, head_dim], got {query.dim()}-D")
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("minipaged::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("minipaged::copy_blocks")
+def _copy_blocks_fake(key_cache, value_cache, block_mapping):
+    return None
+
+
+def compiled_backends() -> list[str]:
+    """The dispatch keys that have minipaged kernels in this build, e.g. ``["CPU", "CUDA"]``."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [key for key in ("CPU", "CUDA") if has("minipaged::paged_attention_decode", key)]

@@ -1,0 +1,168 @@
+#include "checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <unordered_set>
+
+namespace minipaged {
+namespace {
+
+bool is_cache_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), name, ": expected a tensor on ", ref.device(),
+              " (the device of key_cache), got ", t.device());
+}
+
+void check_index_dtype(const at::Tensor& t, const char* name, bool allow_int64) {
+  bool ok = t.scalar_type() == at::kInt || (allow_int64 && t.scalar_type() == at::kLong);
+  TORCH_CHECK(ok, name, ": expected dtype ", allow_int64 ? "int64 or int32" : "int32", ", got ",
+              t.scalar_type());
+}
+
+// Reads a 1-D index tensor as int64 on the host (a copy for device or int32 data).
+at::Tensor host_int64(const at::Tensor& t) { return t.to(at::kCPU).to(at::kLong).contiguous(); }
+
+}  // namespace
+
+CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4,
+                    "key_cache: expected 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape ",
+                    key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache: expected shape ",
+                    key_cache.sizes(), " (that of key_cache), got ", value_cache.sizes());
+  TORCH_CHECK(is_cache_dtype(key_cache.scalar_type()),
+              "key_cache: expected dtype float32, float16 or bfloat16, got ", key_cache.scalar_type());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
+              key_cache.scalar_type(), " (that of key_cache), got ", value_cache.scalar_type());
+  check_same_device(value_cache, "value_cache", key_cache);
+  TORCH_CHECK_VALUE(key_cache.is_contiguous(), "key_cache: expected a contiguous tensor");
+  TORCH_CHECK_VALUE(value_cache.is_contiguous(), "value_cache: expected a contiguous tensor");
+  TORCH_CHECK_VALUE(key_cache.size(1) > 0 && key_cache.size(2) > 0 && key_cache.size(3) > 0,
+                    "key_cache: num_kv_heads, block_size and head_dim must be positive, got shape ",
+                    key_cache.sizes());
+  return CacheLayout{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
+}
+
+CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    const at::Tensor& slot_mapping) {
+  CacheLayout layout = check_cache_pair(key_cache, value_cache);
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.size(1) == layout.num_kv_heads && key.size(2) == layout.head_dim,
+                    "key: expected shape [num_tokens, ", layout.num_kv_heads, ", ", layout.head_dim,
+                    "] (num_kv_heads and head_dim of key_cache), got ", key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value: expected shape ", key.sizes(),
+                    " (that of key), got ", value.sizes());
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key: expected dtype ",
+              key_cache.scalar_type(), " (that of key_cache), got ", key.scalar_type());
+  TORCH_CHECK(value.scalar_type() == key_cache.scalar_type(), "value: expected dtype ",
+              key_cache.scalar_type(), " (that of key_cache), got ", value.scalar_type());
+  check_same_device(key, "key", key_cache);
+  check_same_device(value, "value", key_cache);
+  check_same_device(slot_mapping, "slot_mapping", key_cache);
+  check_index_dtype(slot_mapping, "slot_mapping", /*allow_int64=*/true);
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+                    "slot_mapping: expected shape [", key.size(0), "] (one slot per token of key), got ",
+                    slot_mapping.sizes());
+  return layout;
+}
+
+void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout) {
+  at::Tensor slots = host_int64(slot_mapping);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK_VALUE(s[i] < layout.num_slots(), "slot_mapping: slot ", s[i], " at index ", i,
+                      " is out of range: the cache holds ", layout.num_slots(), " slots (",
+                      layout.num_blocks, " blocks x ", layout.block_size,
+                      "); use a negative slot to skip a token");
+  }
+}
+
+CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  CacheLayout layout = check_cache_pair(key_cache, value_cache);
+  TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == layout.head_dim,
+                    "query: expected shape [num_seqs, num_heads, ", layout.head_dim,
+                    "] (head_dim of key_cache), got ", query.sizes());
+  TORCH_CHECK_VALUE(query.size(1) > 0 && query.size(1) % layout.num_kv_heads == 0,
+                    "query: num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
+                    layout.num_kv_heads, ")");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query: expected dtype ",
+              key_cache.scalar_type(), " (that of key_cache), got ", query.scalar_type());
+  check_same_device(query, "query", key_cache);
+  check_same_device(block_tables, "block_tables", key_cache);
+  check_same_device(seq_lens, "seq_lens", key_cache);
+  check_index_dtype(block_tables, "block_tables", /*allow_int64=*/false);
+  check_index_dtype(seq_lens, "seq_lens", /*allow_int64=*/false);
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+                    "block_tables: expected shape [", num_seqs, ", max_blocks_per_seq], got ",
+                    block_tables.sizes());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "seq_lens: expected shape [",
+                    num_seqs, "], got ", seq_lens.sizes());
+  return layout;
+}
+
+void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const CacheLayout& layout) {
+  at::Tensor lens = host_int64(seq_lens);
+  at::Tensor tables = block_tables.to(at::kCPU).contiguous();
+  const int64_t width = tables.size(1);
+  const int32_t* table = tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < lens.numel(); ++s) {
+    int64_t len = lens.data_ptr<int64_t>()[s];
+    TORCH_CHECK_VALUE(len >= 0 && len <= width * layout.block_size, "seq_lens: seq_lens[", s, "] = ",
+                      len, " is out of range: expected 0 <= seq_len <= max_blocks_per_seq * block_size = ",
+                      width * layout.block_size);
+    const int64_t used = (len + layout.block_size - 1) / layout.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      int64_t block = table[s * width + b];
+      TORCH_CHECK_VALUE(layout.valid_block(block), "block_tables: block_tables[", s, "][", b, "] = ",
+                        block, " is out of range: expected a block id in [0, ", layout.num_blocks, ")");
+    }
+  }
+}
+
+CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const at::Tensor& block_mapping) {
+  CacheLayout layout = check_cache_pair(key_cache, value_cache);
+  check_same_device(block_mapping, "block_mapping", key_cache);
+  TORCH_CHECK(block_mapping.scalar_type() == at::kLong,
+              "block_mapping: expected dtype int64, got ", block_mapping.scalar_type());
+  TORCH_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+                    "block_mapping: expected shape [num_pairs, 2] of (src, dst) block ids, got ",
+                    block_mapping.sizes());
+  return layout;
+}
+
+void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layout) {
+  at::Tensor pairs = block_mapping.to(at::kCPU).contiguous();
+  const int64_t* p = pairs.data_ptr<int64_t>();
+  const int64_t n = pairs.size(0);
+  // Copies run in parallel, so a destination must be written once and never read as a source.
+  std::unordered_set<int64_t> sources, destinations;
+  for (int64_t i = 0; i < n; ++i) sources.insert(p[2 * i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t src = p[2 * i], dst = p[2 * i + 1];
+    TORCH_CHECK_VALUE(layout.valid_block(src) && layout.valid_block(dst), "block_mapping: row ", i,
+                      " = (", src, ", ", dst, ") is out of range: expected block ids in [0, ",
+                      layout.num_blocks, ")");
+    TORCH_CHECK_VALUE(destinations.insert(dst).second, "block_mapping: destination block ", dst,
+                      " appears more than once");
+    TORCH_CHECK_VALUE(!sources.count(dst), "block_mapping: destination block ", dst,
+                      " is also a source in the same call");
+  }
+}
+
+bool validate_device_data() {
+  // Read on every call (a few nanoseconds) so a process can switch it on and off.
+  const char* v = std::getenv("MINIPAGED_VALIDATE");
+  return v != nullptr && std::strcmp(v, "0") != 0 && std::strcmp(v, "") != 0;
+}
+
+}  // namespace minipaged

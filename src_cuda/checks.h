@@ -1,0 +1,35 @@
+// Input validation shared by the CPU and CUDA bindings.
+//
+// Two kinds of check: shape/dtype/device checks on tensor metadata (always, cheap, no data
+// read) and range checks on index data (block ids, slots, sequence lengths). The CPU backend
+// always runs the range checks; the CUDA backend runs them only when MINIPAGED_VALIDATE=1,
+// because reading device data on the host is a sync. Every check runs before anything is
+// written, so rejected input leaves the cache untouched.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include "cache_layout.h"
+
+namespace minipaged {
+
+CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    const at::Tensor& slot_mapping);
+void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout);
+
+CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens);
+void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const CacheLayout& layout);
+
+CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const at::Tensor& block_mapping);
+void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layout);
+
+// MINIPAGED_VALIDATE=1 turns on the (syncing) range checks for device tensors.
+bool validate_device_data();
+
+}  // namespace minipaged

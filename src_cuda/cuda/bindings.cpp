@@ -1,0 +1,128 @@
+// CUDA bindings: validate, then launch on the current stream under a device guard. Nothing here
+// reads device data (no host sync, so the ops are CUDA-graph safe) unless MINIPAGED_VALIDATE=1.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cuda/launch.h"
+
+namespace minipaged {
+namespace {
+
+cuda::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return cuda::DType::kFloat;
+    case at::kHalf: return cuda::DType::kHalf;
+    default: return cuda::DType::kBFloat16;  // check_cache_pair admitted only these three
+  }
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+int sm_count(int device) {
+  static int cached[64] = {};
+  if (device < 64 && cached[device] == 0) {
+    cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device);
+  }
+  return device < 64 ? cached[device] : 132;
+}
+
+at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& seq_lens, double scale,
+                                       std::optional<int64_t> max_seq_len) {
+  const CacheLayout layout = check_paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK_VALUE(cuda::decode_supports_head_dim(layout.head_dim),
+                    "key_cache: head_dim ", layout.head_dim, " is not supported by the CUDA decode kernel "
+                    "(supported: 64, 128, 256)");
+  TORCH_CHECK_VALUE(query.stride(2) == 1, "query: expected the last dimension to be contiguous, got strides ",
+                    query.strides());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(key_cache.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(value_cache.data_ptr()) % 16 == 0,
+                    "key_cache/value_cache: expected 16-byte aligned storage (a view with an odd storage offset?)");
+  if (max_seq_len.has_value())
+    TORCH_CHECK_VALUE(*max_seq_len >= 0, "max_seq_len: expected a non-negative bound, got ", *max_seq_len);
+  if (validate_device_data()) check_decode_ranges(block_tables, seq_lens, layout);
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), width = block_tables.size(1);
+  at::Tensor out = at::empty({num_seqs, num_heads, layout.head_dim}, query.options());
+  if (num_seqs == 0) return out;
+
+  // The grid is sized from shapes only (seq_lens stays on the device): the longest sequence is
+  // bounded by what the block table addresses, or by the caller's max_seq_len hint.
+  const int64_t bound = std::min(width * layout.block_size, max_seq_len.value_or(width * layout.block_size));
+  const int64_t group = num_heads / layout.num_kv_heads;
+  const int partition = cuda::decode_partition_tokens(num_seqs, layout.num_kv_heads, group, bound,
+                                                      sm_count(query.get_device()));
+  const int num_partitions = static_cast<int>(std::max<int64_t>(1, (bound + partition - 1) / partition));
+  at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+
+  cuda::DecodeArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.query_seq_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = tables.data_ptr<int32_t>();
+  args.seq_lens = lens.data_ptr<int32_t>();
+  args.layout = layout;
+  args.max_blocks_per_seq = width;
+  args.num_seqs = static_cast<int>(num_seqs);
+  args.num_heads = static_cast<int>(num_heads);
+  args.scale = static_cast<float>(scale);
+  args.num_partitions = num_partitions;
+  args.partition_tokens = partition;
+  at::Tensor partial_out, partial_stats;
+  if (num_partitions > 1) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    partial_out = at::empty({num_seqs, num_heads, num_partitions, layout.head_dim}, f32);
+    partial_stats = at::empty({2, num_seqs, num_heads, num_partitions}, f32);
+    args.partial_out = partial_out.data_ptr<float>();
+    args.partial_max = partial_stats[0].data_ptr<float>();
+    args.partial_sum = partial_stats[1].data_ptr<float>();
+  }
+  check_launch(cuda::launch_paged_attention_decode(args, dtype_of(query), c10::cuda::getCurrentCUDAStream()),
+               "paged_attention_decode");
+  return out;
+}
+
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const CacheLayout layout = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  if (validate_device_data()) check_slot_range(slot_mapping, layout);
+  const c10::cuda::CUDAGuard guard(key.device());
+  const at::Tensor slots = slot_mapping.contiguous();
+  check_launch(cuda::launch_reshape_and_cache(
+                   key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), key.stride(2), value.stride(0),
+                   value.stride(1), value.stride(2), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+                   slots.scalar_type() == at::kLong, key.size(0), layout, dtype_of(key_cache),
+                   c10::cuda::getCurrentCUDAStream()),
+               "reshape_and_cache");
+}
+
+void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping) {
+  const CacheLayout layout = check_copy_blocks(key_cache, value_cache, block_mapping);
+  if (validate_device_data()) check_copy_ranges(block_mapping, layout);
+  const c10::cuda::CUDAGuard guard(key_cache.device());
+  const at::Tensor pairs = block_mapping.contiguous();
+  check_launch(cuda::launch_copy_blocks(key_cache.data_ptr(), value_cache.data_ptr(), pairs.data_ptr<int64_t>(),
+                                        pairs.size(0), layout.block_elems() * key_cache.element_size(),
+                                        layout.num_blocks, c10::cuda::getCurrentCUDAStream()),
+               "copy_blocks");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minipaged, CUDA, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_cuda);
+  m.impl("paged_attention_decode", &paged_attention_decode_cuda);
+  m.impl("copy_blocks", &copy_blocks_cuda);
+}
+
+}  // namespace minipaged

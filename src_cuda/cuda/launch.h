@@ -1,0 +1,52 @@
+// The plain C++ interface between the torch-facing bindings (bindings.cpp, compiled by the host
+// compiler) and the CUDA kernels (kernels.cu). Keeping torch headers out of kernels.cu makes it
+// compile in seconds instead of minutes.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cache_layout.h"
+
+namespace minipaged::cuda {
+
+enum class DType { kFloat, kHalf, kBFloat16 };
+
+struct DecodeArgs {
+  void* out;                 // [num_seqs, num_heads, head_dim], contiguous, query dtype
+  const void* query;         // [num_seqs, num_heads, head_dim], last dim contiguous
+  int64_t query_seq_stride, query_head_stride;
+  const void* key_cache;     // CacheLayout, contiguous
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* seq_lens;      // [num_seqs]
+  CacheLayout layout;
+  int64_t max_blocks_per_seq;
+  int num_seqs, num_heads;
+  float scale;
+  int num_partitions;        // 1: single pass writes `out`; >1: split-K through the buffers below
+  int partition_tokens;
+  float* partial_out;        // [num_seqs, num_heads, num_partitions, head_dim]
+  float* partial_max;        // [num_seqs, num_heads, num_partitions]
+  float* partial_sum;        // [num_seqs, num_heads, num_partitions]
+};
+
+bool decode_supports_head_dim(int64_t head_dim);
+// Tokens per split-K partition: sized so that the grid fills `num_sms` several times over.
+int decode_partition_tokens(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                            int64_t max_seq_len, int num_sms);
+
+cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
+
+cudaError_t launch_reshape_and_cache(const void* key, const void* value, int64_t key_token_stride,
+                                     int64_t key_head_stride, int64_t key_dim_stride,
+                                     int64_t value_token_stride, int64_t value_head_stride,
+                                     int64_t value_dim_stride, void* key_cache, void* value_cache,
+                                     const void* slot_mapping, bool slots_int64, int64_t num_tokens,
+                                     CacheLayout layout, DType dtype, cudaStream_t stream);
+
+cudaError_t launch_copy_blocks(void* key_cache, void* value_cache, const int64_t* block_mapping,
+                               int64_t num_pairs, int64_t block_bytes, int64_t num_blocks,
+                               cudaStream_t stream);
+
+}  // namespace minipaged::cuda
