@@ -1,0 +1,36 @@
+"""transformers integration of the minipaged ops (installed as ``minipaged_ops.integration``).
+
+Importing it registers the ``"minipaged"`` attention implementation in transformers'
+``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)::
+
+    import minipaged_ops.integration
+    from minipaged_ops.integration import PagedKVCache
+
+    model.set_attn_implementation("minipaged")
+    cache = PagedKVCache(model.config, num_blocks=256, block_size=16)
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+"""
+
+from minipaged_ops.block_manager import OutOfBlocksError
+
+from . import _compat
+from .attention import minipaged_attention_forward, minipaged_mask
+from .cache import ATTN_IMPLEMENTATION, PagedKVCache, attach_hooks
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "attach_hooks",
+    "minipaged_attention_forward",
+    "minipaged_mask",
+    "register",
+]
+
+
+def register() -> None:
+    """Register ``"minipaged"`` in transformers' attention and mask interfaces (idempotent)."""
+    _compat.register(ATTN_IMPLEMENTATION, minipaged_attention_forward, minipaged_mask)
+
+
+register()

@@ -1,0 +1,563 @@
+"""``PagedKVCache``: a transformers ``Cache`` whose keys and values live in a pool of fixed-size
+blocks, handed out on demand by a :class:`minipaged_ops.block_manager.KVBlockManager`.
+
+Data plane (inside ``forward``, traceable, no host sync): every attention layer calls
+``cache.update``, which writes the new tokens' K/V into their slots with ``reshape_and_cache``;
+decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), prefill steps
+with SDPA over the new tokens plus, for a continued conversation, the cached prefix gathered
+through the block tables.
+
+Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
+``input_ids``, the attention mask and the cache before every forward. It allocates slots through
+the block manager (pad tokens of left-padded batches get slot -1, so they are never stored),
+performs the copy-on-write block copies the manager asks for with ``copy_blocks``, and writes the
+slot mapping, block tables and sequence lengths into tensors the layers read. For decode steps
+those are persistent buffers of fixed shape updated in place, so a compiled decode step sees the
+same tensors every step and is not recompiled. A forward post-hook then commits the step (the
+sequence length transformers sees grows by the number of new columns).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+from collections import Counter
+
+import torch
+
+from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
+
+from . import _compat, _kernels
+
+ATTN_IMPLEMENTATION = "minipaged"
+
+_PREFILL, _EXTEND, _DECODE = "prefill", "extend", "decode"
+
+
+class PagedLayer(_compat.CacheLayerMixin):
+    """One decoder layer's view of a :class:`PagedKVCache`; ``keys``/``values`` are the layer's
+    block pools ``[num_blocks, num_kv_heads, block_size, head_dim]``. Everything goes through
+    the owning cache; this object exists for transformers' per-layer queries."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: "PagedKVCache", layer_idx: int):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pools are made by the cache
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._owner.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # the cache resets everything at once
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:  # done by the cache, through the block manager
+        pass
+
+
+class PagedKVCache(_compat.Cache):
+    """A paged KV cache for ``model.generate(..., past_key_values=cache)`` with
+    ``attn_implementation="minipaged"``.
+
+    Args:
+        config: the model's config, or the model itself (then ``dtype``/``device`` default to the
+            model's and the cache attaches to it at once).
+        num_blocks: blocks in the pool (per layer; every layer holds its own pool of that size).
+        block_size: token slots per block.
+        enable_prefix_caching: full blocks are found again by their token prefix (across
+            sequences in a batch, and after ``reset()`` for later prompts).
+        dtype, device: of the pools; default to the model's at the first forward.
+
+    The cache needs a forward pre-hook on the model (it allocates blocks there, outside any
+    compiled region). It installs it itself: on the model passed in, or on every live model
+    whose ``config`` is the config passed in (found once, at construction), or on the model given
+    to :meth:`attach`.
+    """
+
+    def __init__(
+        self,
+        config,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        model = config if _compat.is_pretrained_model(config) else None
+        if model is not None:
+            config = model.config
+        self._source_config = config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        types = _compat.layer_types(config)
+        bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(
+                f"PagedKVCache supports full-attention layers only; layer {i} is {t!r} "
+                f"({len(bad)} of {len(types)} layers are not full attention, e.g. sliding_window="
+                f"{getattr(config, 'sliding_window', None)}). Use transformers' DynamicCache for this model."
+            )
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        max_pos = getattr(config, "max_position_embeddings", None)
+        self._max_blocks_per_seq = min(num_blocks, math.ceil(max_pos / block_size)) if max_pos else num_blocks
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+
+        # batch state
+        self._rows: list[int] = []  # batch row -> sequence id in the block manager
+        self._next_seq_id = 0
+        self._columns = 0  # sequence length as transformers sees it (padding columns included)
+        self._mode: str | None = None
+        self._in_step = False
+        self._step_columns = 0
+        self._slots: torch.Tensor | None = None
+        self._block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks_per_seq]
+        self._seq_lens: torch.Tensor | None = None  # int32 [batch]
+        self._slot_buf: torch.Tensor | None = None  # int64 [batch] (decode slot mapping)
+        self._row_idx: torch.Tensor | None = None
+        self._gather_blocks = self._gather_offsets = None
+        self.peak_blocks_used = 0
+
+        if model is not None:
+            dtype = dtype if dtype is not None else model.dtype
+            device = device if device is not None else model.device
+        if dtype is not None or device is not None:
+            self._ensure_pools(
+                torch.device(device) if device is not None else torch.device("cpu"),
+                dtype if dtype is not None else (getattr(config, "dtype", None) or torch.get_default_dtype()),
+            )
+        self._attached = False
+        if model is not None:
+            self.attach(model)
+        else:
+            self._autoattach()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one block id across all layers."""
+        elem = self.key_cache[0].element_size() if self.key_cache else torch.empty((), dtype=self._dtype()).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+    def usage(self) -> dict:
+        """The block manager's usage plus bytes held (``kv_bytes_used``) and the pool size."""
+        u = dict(self.block_manager.usage())
+        u["kv_bytes_used"] = u["blocks_used"] * self.bytes_per_block
+        u["kv_bytes_pool"] = self.num_blocks * self.bytes_per_block
+        u["peak_blocks_used"] = self.peak_blocks_used
+        return u
+
+    @property
+    def sequence_ids(self) -> list[int]:
+        """Block-manager sequence id of each batch row."""
+        return list(self._rows)
+
+    def attach(self, model: torch.nn.Module) -> "PagedKVCache":
+        """Install the (idempotent, cache-agnostic) pre/post forward hooks on ``model``, the
+        top-level module that ``generate`` or the user calls."""
+        attach_hooks(model)
+        self._attached = True
+        return self
+
+    def reset(self, clear_prefix_cache: bool = False) -> None:
+        """Release every sequence: all blocks go back to the pool. With prefix caching, full
+        blocks stay findable until reused, so a later prompt sharing a prefix finds them again;
+        ``clear_prefix_cache=True`` forgets them too."""
+        bm = self.block_manager
+        if clear_prefix_cache:
+            bm.reset()
+        else:
+            for sid in self._rows:
+                bm.release_sequence(sid)
+            bm.take_copies()
+        self._rows = []
+        self._columns = 0
+        self._mode = None
+        self._in_step = False
+        self._slots = self._gather_blocks = self._gather_offsets = None
+
+    # --------------------------------------------------------- transformers Cache API
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new tokens' K/V into their slots. Returns what the attention function needs:
+        the layer's pools for a decode step, the new K/V for a fresh prefill, and the cached
+        prefix followed by the new K/V (in transformers' column layout) for a continuation."""
+        if not self._in_step:
+            raise RuntimeError(
+                "PagedKVCache.update called outside a prepared forward: the model is not attached to "
+                "this cache. Build it as PagedKVCache(model, ...) or call cache.attach(model) first."
+            )
+        key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        b, h, q, d = key_states.shape
+        _kernels.reshape_and_cache(
+            key_states.transpose(1, 2).reshape(b * q, h, d),
+            value_states.transpose(1, 2).reshape(b * q, h, d),
+            key_cache,
+            value_cache,
+            self._slots,
+        )
+        if self._mode == _DECODE:
+            return key_cache, value_cache
+        if self._mode == _EXTEND:
+            past_k = key_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
+            past_v = value_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
+            return torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not self._attached:
+            self._autoattach()
+        return self._columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._columns + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues the hypothesis of old row ``beam_idx[i]``. Re-points
+        block tables (fork = shared blocks, reference counted; copy-on-write at the next append)
+        instead of copying any K/V."""
+        self._regather(beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._regather(indices.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._regather([i for i in range(len(self._rows)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PagedKVCache cannot be cropped (assisted decoding is not supported)")
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.num_layers}, "
+            f"sequences={len(self._rows)}, free_blocks={self.block_manager.num_free_blocks})"
+        )
+
+    # ------------------------------------------------------------------ hook side
+
+    def _begin_step(self, model, input_ids, inputs_embeds, attention_mask) -> None:
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source is None:
+            raise ValueError("PagedKVCache: the forward received neither input_ids nor inputs_embeds")
+        batch, q = source.shape[:2]
+        device = source.device
+        self._ensure_pools(device, model.dtype)
+        tokens = input_ids.tolist() if input_ids is not None else None
+        past = self._columns
+        real = _compat.padding_mask(attention_mask, batch, past + q, device)
+        new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
+        if not self._rows:
+            self._start_batch(batch, q, tokens, new_real, device)
+        elif batch != len(self._rows):
+            raise ValueError(
+                f"PagedKVCache holds {len(self._rows)} sequences but the forward has batch {batch}; "
+                "call cache.reset() before generating for a new batch"
+            )
+        elif q == 1 and all(r[0] for r in new_real):
+            self._decode(tokens, device)
+        else:
+            self._extend(q, tokens, new_real, real, past, device)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
+        self._step_columns = q
+        self._in_step = True
+
+    def _end_step(self) -> None:
+        if self._in_step:
+            self._columns += self._step_columns
+            self._in_step = False
+
+    def _start_batch(self, batch, q, tokens, new_real, device) -> None:
+        bm, bs = self.block_manager, self.block_size
+        free_before = bm.num_free_blocks
+        rows, slots, created = [], [], []
+        seen: dict[tuple, int] = {}
+        try:
+            for b in range(batch):
+                cols = [j for j in range(q) if new_real[b][j]]
+                toks = [tokens[b][j] for j in cols] if tokens is not None else None
+                sid = self._new_seq_id()
+                row_slots = [-1] * q
+                key = tuple(toks) if toks is not None else None
+                if key is not None and key in seen:
+                    # identical prompt in the batch (num_return_sequences, beams): share every
+                    # block, partial last one included; copy-on-write splits them later
+                    bm.fork(seen[key], sid)
+                    created.append(sid)
+                else:
+                    cached = bm.create_sequence(sid, token_ids=toks, num_tokens=None if toks is not None else len(cols))
+                    created.append(sid)
+                    if key is not None:
+                        seen[key] = sid
+                    table = bm.block_table(sid)
+                    for t, j in enumerate(cols):
+                        if t >= cached:  # cached prefix blocks already hold these tokens
+                            row_slots[j] = table[t // bs] * bs + t % bs
+                rows.append(sid)
+                slots.extend(row_slots)
+        except OutOfBlocksError as err:
+            for sid in created:
+                bm.release_sequence(sid)
+            bm.take_copies()
+            real_tokens = sum(sum(r) for r in new_real)
+            needed = sum(math.ceil(sum(r) / bs) for r in new_real)
+            raise OutOfBlocksError(
+                f"PagedKVCache: prefill of {batch} sequences ({real_tokens} tokens) needs up to {needed} "
+                f"blocks of {bs} tokens but {free_before} of {self.num_blocks} are free; "
+                f"build the cache with more blocks ({err})",
+                needed=needed,
+                free=free_before,
+            ) from None
+        self._rows = rows
+        self._set_batch_buffers(batch, device)
+        self._refresh_tables()
+        self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
+        self._mode = _PREFILL
+
+    def _decode(self, tokens, device) -> None:
+        bm = self.block_manager
+        self._check_room([1] * len(self._rows))
+        slots, lens = [], []
+        for b, sid in enumerate(self._rows):
+            slots.append(bm.append_token(sid, tokens[b][0] if tokens is not None else None))
+            lens.append(bm.sequence_length(sid))
+        self._apply_copies(device)
+        self._ensure_width(math.ceil(max(lens) / self.block_size))
+        info = torch.tensor([slots, lens], dtype=torch.int64).to(device, non_blocking=True)
+        self._slot_buf.copy_(info[0])
+        self._seq_lens.copy_(info[1])
+        self._block_tables.index_put_(
+            (self._row_idx, (info[1] - 1) // self.block_size), (info[0] // self.block_size).to(torch.int32)
+        )
+        self._slots = self._slot_buf
+        self._mode = _DECODE
+
+    def _extend(self, q, tokens, new_real, real, past, device) -> None:
+        bm, bs = self.block_manager, self.block_size
+        counts = [sum(r) for r in new_real]
+        self._check_room(counts)
+        slots = []
+        for b, sid in enumerate(self._rows):
+            cols = [j for j in range(q) if new_real[b][j]]
+            toks = [tokens[b][j] for j in cols] if tokens is not None else None
+            got = bm.append_tokens(sid, toks, num_tokens=None if toks is not None else len(cols))
+            row_slots = [-1] * q
+            for j, s in zip(cols, got):
+                row_slots[j] = s
+            slots.extend(row_slots)
+        self._apply_copies(device)
+        self._refresh_tables()
+        self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
+        # cached prefix in transformers' column layout: column c of row b holds that row's token
+        # number (real columns before c); padding columns point anywhere valid and are masked
+        past_real = real[:, :past] if real is not None else torch.ones(len(self._rows), past, dtype=torch.bool, device=device)
+        idx = (past_real.to(torch.int64).cumsum(1) - 1).clamp_(min=0)
+        self._gather_blocks = self._block_tables.to(torch.int64).gather(1, idx // bs)
+        self._gather_offsets = idx % bs
+        self._mode = _EXTEND
+
+    def _regather(self, src_rows: list[int]) -> None:
+        """New row ``i`` continues old row ``src_rows[i]``: forks where an old row is used more
+        than once, releases old rows no longer used."""
+        if self._in_step:
+            raise RuntimeError("PagedKVCache: cannot reorder during a forward")
+        bm, old = self.block_manager, self._rows
+        if not old:
+            return
+        used: set[int] = set()
+        new_rows = []
+        for src in src_rows:
+            if not 0 <= src < len(old):
+                raise IndexError(f"PagedKVCache: row index {src} out of range for {len(old)} rows")
+            if src in used:
+                child = self._new_seq_id()
+                bm.fork(old[src], child)
+                new_rows.append(child)
+            else:
+                used.add(src)
+                new_rows.append(old[src])
+        for j, sid in enumerate(old):
+            if j not in used:
+                bm.release_sequence(sid)
+        self._rows = new_rows
+        device = self._block_tables.device
+        self._set_batch_buffers(len(new_rows), device)
+        self._refresh_tables()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _dtype(self) -> torch.dtype:
+        return getattr(self.config, "dtype", None) or torch.get_default_dtype()
+
+    def _ensure_pools(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self.key_cache:
+            have = self.key_cache[0].device
+            if have.type != device.type or (device.index is not None and have.index != device.index):
+                raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
+            return
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        for _ in range(self.num_layers):
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros(shape, dtype=dtype, device=device)
+            torch._dynamo.mark_static_address(k)
+            torch._dynamo.mark_static_address(v)
+            self.key_cache.append(k)
+            self.value_cache.append(v)
+        for layer, k, v in zip(self.layers, self.key_cache, self.value_cache):
+            layer.keys, layer.values, layer.is_initialized = k, v, True
+            layer.device = device
+
+    def _set_batch_buffers(self, batch: int, device) -> None:
+        if self._block_tables is not None and self._block_tables.shape[0] == batch and self._block_tables.device == device:
+            return
+        self._block_tables = torch.zeros(batch, self._max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._slot_buf = torch.zeros(batch, dtype=torch.int64, device=device)
+        self._row_idx = torch.arange(batch, device=device)
+        for t in (self._block_tables, self._seq_lens, self._slot_buf):
+            torch._dynamo.mark_static_address(t)
+
+    def _ensure_width(self, blocks: int) -> None:
+        if blocks > self._block_tables.shape[1]:  # longer than max_position_embeddings: grow
+            self._max_blocks_per_seq = max(blocks, 2 * self._block_tables.shape[1])
+            old = self._block_tables
+            self._block_tables = torch.zeros(old.shape[0], self._max_blocks_per_seq, dtype=old.dtype, device=old.device)
+            self._block_tables[:, : old.shape[1]] = old
+            torch._dynamo.mark_static_address(self._block_tables)
+
+    def _refresh_tables(self) -> None:
+        tables, lens = self.block_manager.get_batch_tensors(self._rows)
+        self._ensure_width(tables.shape[1])
+        self._block_tables.zero_()
+        self._block_tables[:, : tables.shape[1]].copy_(tables)
+        self._seq_lens.copy_(lens)
+
+    def _check_room(self, counts: list[int]) -> None:
+        """Raise OutOfBlocksError, before changing anything, if appending ``counts[i]`` tokens to
+        row ``i`` needs more blocks (new blocks plus copy-on-write copies) than are free."""
+        bm, bs = self.block_manager, self.block_size
+        needed = 0
+        appending_on: Counter = Counter()
+        for sid, n in zip(self._rows, counts):
+            if n == 0:
+                continue
+            length = bm.sequence_length(sid)
+            needed += -(-(length + n) // bs) - -(-length // bs)
+            if length % bs:
+                appending_on[bm.slot(sid, length - 1) // bs] += 1
+        for block, k in appending_on.items():
+            refs = bm.ref_count(block)
+            if refs > 1:
+                needed += k if refs > k else k - 1
+        free = bm.num_free_blocks
+        if needed > free:
+            raise OutOfBlocksError(
+                f"PagedKVCache: the next step of {len(self._rows)} sequences needs {needed} more blocks of "
+                f"{bs} tokens but {free} of {self.num_blocks} are free; build the cache with more blocks",
+                needed=needed,
+                free=free,
+            )
+
+    def _apply_copies(self, device) -> None:
+        copies = self.block_manager.take_copies()
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64).to(device)
+            for k, v in zip(self.key_cache, self.value_cache):
+                _kernels.copy_blocks(k, v, mapping)
+
+    def _autoattach(self) -> None:
+        """Attach to the live top-level model(s) built from this cache's config, if any."""
+        with warnings.catch_warnings():  # isinstance() on some lazy module objects warns
+            warnings.simplefilter("ignore")
+            found = [
+                obj
+                for obj in gc.get_objects()
+                if isinstance(obj, torch.nn.Module) and getattr(obj, "config", None) is self._source_config
+            ]
+        inner = {id(m) for f in found for m in f.modules() if m is not f}
+        for model in found:
+            if id(model) not in inner:
+                self.attach(model)
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+def attach_hooks(model: torch.nn.Module) -> None:
+    """Install the minipaged forward pre/post hooks on ``model`` once. They act only on calls
+    that receive a :class:`PagedKVCache`."""
+    if getattr(model, "_minipaged_hooks", None) is not None:
+        return
+    pre = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    post = model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
+    model._minipaged_hooks = (pre, post)
+
+
+@torch.compiler.disable
+def _pre_forward(module, args, kwargs):
+    cache = _compat.find_cache(args, kwargs)
+    if not isinstance(cache, PagedKVCache):
+        return None
+    impl = getattr(module.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"PagedKVCache needs attn_implementation={ATTN_IMPLEMENTATION!r} but the model uses {impl!r}: "
+            f"import minipaged_ops.integration and call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
+        )
+    input_ids, inputs_embeds, attention_mask = _compat.find_inputs(args, kwargs)
+    cache._begin_step(module, input_ids, inputs_embeds, attention_mask)
+    return args, {**kwargs, "minipaged_cache": cache}
+
+
+@torch.compiler.disable
+def _post_forward(module, args, kwargs, output):
+    cache = _compat.find_cache(args, kwargs)
+    if isinstance(cache, PagedKVCache):
+        cache._end_step()
+    return None
