@@ -1,0 +1,315 @@
+"""transformers end to end: Qwen3 generate() on a PagedKVCache against transformers' sdpa.
+
+Tiny random Qwen3 models built offline (float32, seeded, weights scaled up so that greedy
+choices are not near-ties). Runs on the CPU kernels; also under transformers 5.17 via
+``PYTHONPATH=.venv/tf517``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+integration = pytest.importorskip("minipaged_ops.integration")
+
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from minipaged_ops.integration import OutOfBlocksError, PagedKVCache  # noqa: E402
+
+VOCAB = 192
+PAD = 0
+
+# `past_key_values=` works on every supported release (5.24 renamed it to `cache` and warns)
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(heads: int = 4, kv_heads: int = 2, head_dim: int = 64, hidden: int = 64, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=None,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def ragged_batch(lengths, seed=0, width=None):
+    """Left-padded ``input_ids``/``attention_mask`` with the given real lengths."""
+    g = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def generate(model, impl, ids, mask, cache=None, seed=0, **kwargs):
+    model.set_attn_implementation(impl)
+    torch.manual_seed(seed)
+    extra = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, pad_token_id=PAD, **extra, **kwargs)
+
+
+def blocks_bound(cache: PagedKVCache) -> int:
+    """Σ ceil(tokens_i / block_size) over the live sequences."""
+    bm = cache.block_manager
+    return sum(math.ceil(bm.sequence_length(s) / cache.block_size) for s in cache.sequence_ids)
+
+
+def check_memory(cache: PagedKVCache):
+    u = cache.usage()
+    assert cache.block_manager.invariants_ok(), cache.block_manager.invariant_violations()
+    assert u["blocks_used"] <= blocks_bound(cache), u
+    return u
+
+
+# ---------------------------------------------------------------------------- equality
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(4, 2, 64, 8), (4, 1, 128, 16), (2, 2, 64, 32), (8, 2, 128, 8)],
+    ids=["gqa2-d64-bs8", "gqa4-d128-bs16", "mha-d64-bs32", "gqa4-d128-bs8"],
+)
+def test_greedy_ragged_batch_matches_sdpa(heads, kv_heads, head_dim, block_size):
+    model = tiny_model(heads, kv_heads, head_dim)
+    ids, mask = ragged_batch([13, 5, 21, 1], seed=heads + head_dim)
+    ref = generate(model, "sdpa", ids, mask, max_new_tokens=24, do_sample=False)
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=block_size)
+    out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+    u = check_memory(cache)
+    # the cache holds prompt + generated - 1 tokens per row, pads never
+    lengths = [cache.block_manager.sequence_length(s) for s in cache.sequence_ids]
+    assert lengths == [n + 23 for n in (13, 5, 21, 1)]
+    assert u["tokens_logical"] == sum(lengths)
+
+
+def test_sampling_num_return_sequences_shares_prompt_blocks():
+    model = tiny_model()
+    bs = 8
+    ids, mask = ragged_batch([19, 11], seed=3)
+    kwargs = dict(max_new_tokens=16, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=4)
+    ref = generate(model, "sdpa", ids, mask, seed=1234, **kwargs)
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=bs)
+    out = generate(model, "minipaged", ids, mask, cache, seed=1234, **kwargs)
+    assert torch.equal(out, ref)
+    assert len({tuple(r) for r in out[:4].tolist()}) > 1  # the samples do diverge
+    u = check_memory(cache)
+    bm = cache.block_manager
+    rows = cache.sequence_ids
+    for group, prompt_len in ((rows[:4], 19), (rows[4:], 11)):
+        tables = [bm.block_table(s) for s in group]
+        full = prompt_len // bs
+        for j in range(full):  # the prompt's full blocks are stored once, shared by all 4
+            assert len({t[j] for t in tables}) == 1
+            assert bm.ref_count(tables[0][j]) == 4
+    unshared = sum(4 * math.ceil((n + 15) / bs) for n in (19, 11))
+    assert u["blocks_used"] <= unshared - 3 * (19 // bs + 11 // bs)
+
+
+def test_beam_search_matches_sdpa_with_shared_blocks():
+    model = tiny_model(4, 1, 128)
+    ids, mask = ragged_batch([9, 17], seed=5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, num_beams=3, num_return_sequences=2, length_penalty=1.0)
+    ref = generate(model, "sdpa", ids, mask, **kwargs)
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
+    out = generate(model, "minipaged", ids, mask, cache, **kwargs)
+    assert torch.equal(out, ref)
+    check_memory(cache)
+    assert len(cache.sequence_ids) == 6
+    assert cache.usage()["blocks_shared"] >= 2  # beams share their common prefix blocks
+
+
+def test_chat_turn_continuation_reuses_prefix():
+    model = tiny_model()
+    ids, mask = ragged_batch([10, 6], seed=7)
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
+    out1 = generate(model, "minipaged", ids, mask, cache, max_new_tokens=8, do_sample=False)
+    dyn = DynamicCache(config=model.config)
+    ref1 = generate(model, "sdpa", ids, mask, dyn, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out1, ref1)
+
+    g = torch.Generator().manual_seed(8)
+    turn = torch.randint(3, VOCAB, (2, 5), generator=g)
+    ids2 = torch.cat([out1, turn], 1)
+    mask2 = torch.cat([mask, torch.ones(2, out1.shape[1] - mask.shape[1] + 5, dtype=torch.long)], 1)
+    blocks_before = {s: cache.block_manager.block_table(s) for s in cache.sequence_ids}
+
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out2 = generate(model, "minipaged", ids2, mask2, cache, max_new_tokens=8, do_sample=False)
+    finally:
+        handle.remove()
+    ref2 = generate(model, "sdpa", ids2, mask2, dyn, max_new_tokens=8, do_sample=False)
+    fresh = generate(model, "sdpa", ids2, mask2, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out2, ref2)
+    assert torch.equal(out2, fresh)
+    assert seen[0] == 1 + 5  # only the last generated token and the new turn were computed
+    for s, before in blocks_before.items():  # the first turn's full blocks are still the ones in use
+        after = cache.block_manager.block_table(s)
+        n_full = (cache.block_manager.sequence_length(s) - 1 - 5 - 7) // 8
+        assert after[:n_full] == before[:n_full]
+    check_memory(cache)
+
+
+def test_reset_frees_everything_and_reuse_hits_prefix_cache():
+    model = tiny_model()
+    ids, mask = ragged_batch([20, 12, 17], seed=9)
+    cache = PagedKVCache(model.config, num_blocks=48, block_size=8, enable_prefix_caching=True)
+    ref = generate(model, "sdpa", ids, mask, max_new_tokens=10, do_sample=False)
+    out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, ref)
+    cache.reset()
+    u = cache.usage()
+    assert u["blocks_used"] == 0 and u["blocks_free"] == cache.num_blocks and u["sequences"] == 0
+    assert u["blocks_cached_free"] > 0  # full prompt blocks remain findable
+    assert cache.get_seq_length() == 0
+    out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, ref)
+    tables = [cache.block_manager.block_table(s) for s in cache.sequence_ids]
+    assert any(cache.block_manager.ref_count(t[0]) >= 1 for t in tables)
+    check_memory(cache)
+    # a different batch after reset
+    cache.reset()
+    ids2, mask2 = ragged_batch([4, 9], seed=10)
+    ref2 = generate(model, "sdpa", ids2, mask2, max_new_tokens=6, do_sample=False)
+    assert torch.equal(generate(model, "minipaged", ids2, mask2, cache, max_new_tokens=6, do_sample=False), ref2)
+
+
+def test_model_built_with_minipaged_and_cache_from_model():
+    model = tiny_model()
+    ids, mask = ragged_batch([7, 3], seed=11)
+    ref = generate(model, "sdpa", ids, mask, max_new_tokens=6, do_sample=False)
+    cache = PagedKVCache(model, num_blocks=16, block_size=16)  # attaches at once, pools allocated
+    assert len(cache.key_cache) == model.config.num_hidden_layers
+    assert tuple(cache.key_cache[0].shape) == (16, 2, 16, 64)
+    assert torch.equal(generate(model, "minipaged", ids, mask, cache, max_new_tokens=6, do_sample=False), ref)
+
+
+# --------------------------------------------------------------------- no paged cache
+
+
+def test_fallback_without_paged_cache_is_sdpa():
+    model = tiny_model(4, 1, 128)
+    ids, mask = ragged_batch([8, 5, 2], seed=12)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref_logits = model(ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation("minipaged")
+        logits = model(ids, attention_mask=mask, use_cache=False).logits
+        plain = model(ids, attention_mask=mask).logits  # default DynamicCache
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    torch.testing.assert_close(plain, ref_logits, rtol=0, atol=0)
+    ref = generate(model, "sdpa", ids, mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generate(model, "minipaged", ids, mask, max_new_tokens=8, do_sample=False), ref)
+    dyn = DynamicCache(config=model.config)
+    assert torch.equal(generate(model, "minipaged", ids, mask, dyn, max_new_tokens=8, do_sample=False), ref)
+
+
+def test_manual_decode_loop_with_plain_forward():
+    model = tiny_model()
+    model.set_attn_implementation("minipaged")
+    ids, _ = ragged_batch([6, 6], seed=13)
+    cache = PagedKVCache(model.config, num_blocks=16, block_size=8)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        seq = ids
+        for _ in range(5):
+            nxt = logits.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        model.set_attn_implementation("sdpa")
+        ref_logits = model(seq).logits[:, -1]
+    assert cache.get_seq_length() == seq.shape[1]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_pool_too_small_raises_out_of_blocks():
+    model = tiny_model()
+    ids, mask = ragged_batch([30, 30], seed=14)
+    cache = PagedKVCache(model.config, num_blocks=5, block_size=8)
+    with pytest.raises(OutOfBlocksError, match=r"needs .*8 blocks.* 5 of 5 are free"):
+        generate(model, "minipaged", ids, mask, cache, max_new_tokens=4, do_sample=False)
+    assert cache.block_manager.num_free_blocks == 5 and cache.block_manager.invariants_ok()
+    # room for the prompt but not for the generation: fails during decode, state consistent
+    cache = PagedKVCache(model.config, num_blocks=8, block_size=8)
+    with pytest.raises(OutOfBlocksError) as info:
+        generate(model, "minipaged", ids, mask, cache, max_new_tokens=8, do_sample=False)
+    assert info.value.needed > info.value.free
+    assert cache.block_manager.invariants_ok()
+    cache.reset()
+    assert cache.block_manager.num_free_blocks == 8
+
+
+def test_sliding_window_config_is_rejected_when_building_the_cache():
+    cfg = tiny_model().config.to_dict()
+    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)
+    config = Qwen3Config(**cfg)
+    assert "sliding_attention" in config.layer_types
+    with pytest.raises(ValueError, match="sliding_attention"):
+        PagedKVCache(config, num_blocks=8, block_size=8)
+
+
+def test_bad_arguments_and_misuse():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(model.config, num_blocks=0)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCache(model.config, num_blocks=4, block_size=0)
+    ids, mask = ragged_batch([4, 4], seed=15)
+    cache = PagedKVCache(model.config, num_blocks=16, block_size=8)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        generate(model, "sdpa", ids, mask, cache, max_new_tokens=2)
+    generate(model, "minipaged", ids, mask, cache, max_new_tokens=2)
+    ids3, mask3 = ragged_batch([4, 4, 4], seed=15)
+    with pytest.raises(ValueError, match="reset"):
+        generate(model, "minipaged", ids3, mask3, cache, max_new_tokens=2)
+
+
+def test_unattached_model_raises_clear_error():
+    model = tiny_model()
+    other = Qwen3ForCausalLM(model.config.__class__(**model.config.to_dict())).eval()
+    other.set_attn_implementation("minipaged")
+    cache = PagedKVCache(model.config, num_blocks=8, block_size=8)  # attaches to `model`, not `other`
+    with pytest.raises(RuntimeError, match="attach"), torch.no_grad():
+        other(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+
+
+def test_registration_is_idempotent_and_import_is_lazy():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    integration.register()
+    integration.register()
+    assert ALL_ATTENTION_FUNCTIONS["minipaged"] is integration.minipaged_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["minipaged"] is integration.minipaged_mask
+    code = "import sys, minipaged_ops; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
