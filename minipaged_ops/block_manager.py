@@ -1,0 +1,551 @@
+"""KVBlockManager: the metadata plane of the paged KV cache.
+
+Pure bookkeeping, no tensor data. It owns the free pool, the per-sequence block tables,
+reference counts, copy-on-write, forking and content-addressed prefix caching of full blocks.
+Whenever a block's contents must be duplicated it records a ``(src, dst)`` pair; the caller
+fetches them with :meth:`KVBlockManager.take_copies` and performs them with
+``torch.ops.minipaged.copy_blocks`` *before* writing the new tokens' keys and values.
+
+Caller's contract for one engine step::
+
+    slots = [m.append_token(s, tok) for s, tok in ...]     # or create_sequence / append_tokens
+    copies = m.take_copies()                                # 1. apply these copies first
+    if copies: copy_blocks(key_cache, value_cache, torch.tensor(copies, dtype=torch.int64))
+    reshape_and_cache(..., slot_mapping=slots)              # 2. then write the new tokens
+    bt, sl = m.get_batch_tensors(seq_ids)                   # 3. then attend
+
+Fork a sequence only after the tokens it holds have been written (forward pass done), since a
+child's later copy-on-write copies whatever the shared block holds at copy time.
+
+Per-step cost: block tables and sequence lengths are mirrored incrementally into preallocated
+int32 numpy arrays (one row per sequence, columns grown by doubling), so the batch tensors for
+a decode step are one fancy-index gather rather than a rebuild from Python lists.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["KVBlockManager", "OutOfBlocksError"]
+
+
+class OutOfBlocksError(RuntimeError):
+    """The free pool cannot satisfy a request. The manager's state is unchanged."""
+
+    def __init__(self, message: str, *, needed: int, free: int):
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+
+def _chain_hash(parent_hash: Optional[int], tokens: tuple) -> int:
+    """Key of a full block: its parent block's key chained with its own tokens.
+
+    A module-level function so tests can force collisions; a hash match is only ever a
+    candidate -- hits are confirmed against the tokens (see ``_lookup``)."""
+    return hash((parent_hash, tokens))
+
+
+# A block's identity for one lifetime (block id, generation). The generation is bumped every
+# time the block is taken from the free pool, so an identity never names two different contents.
+_Ident = tuple
+
+
+@dataclass
+class _BlockMeta:
+    """Prefix-cache metadata of one physical block (only meaningful while it is registered)."""
+
+    gen: int = 0  # bumped on each allocation; see _Ident
+    key: Optional[int] = None  # chained hash when registered in the prefix cache, else None
+    tokens: Optional[tuple] = None  # this block's token ids (confirmation of a hash match)
+    parent: Optional[_Ident] = None  # identity of the block holding the preceding tokens
+
+
+@dataclass
+class _Seq:
+    """One live sequence."""
+
+    row: int  # row in the mirrored numpy tables
+    blocks: list = field(default_factory=list)  # logical block index -> physical block id
+    length: int = 0  # tokens stored
+    tokens: Optional[list] = None  # token ids while all are known and caching is on, else None
+    num_hashed: int = 0  # leading full blocks already offered to the prefix cache
+    chain_key: Optional[int] = None  # key of block num_hashed-1 (parent of the next full block)
+    chain_ident: Optional[_Ident] = None  # identity of the cached block holding those tokens
+
+
+class KVBlockManager:
+    """Allocates fixed-size KV blocks to sequences.
+
+    ``num_blocks`` blocks of ``block_size`` token slots each. Token ``pos`` of a sequence lives in
+    physical block ``block_table[pos // block_size]`` at offset ``pos % block_size``; its slot is
+    ``block * block_size + offset``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every sequence, cached prefix and pending copy; all blocks become free."""
+        n = self.num_blocks
+        self._ref = [0] * n
+        self._meta = [_BlockMeta() for _ in range(n)]
+        self._free = deque(range(n))  # free blocks holding nothing findable, FIFO
+        self._free_cached = OrderedDict()  # free but findable blocks, least recently released first
+        self._cache: dict[int, list[int]] = {}  # key -> registered blocks (a list: keys may collide)
+        self._seqs: dict = {}
+        self._copies: list[tuple[int, int]] = []
+        self._in_copy: set[int] = set()  # sources and destinations of not-yet-taken copies
+        self._deferred: list[int] = []  # released blocks of _in_copy, held back until take_copies()
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        self._tables = np.zeros((16, 16), dtype=np.int32)
+        self._lens = np.zeros(16, dtype=np.int32)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (cached-but-free ones included)."""
+        return len(self._free) + len(self._free_cached)
+
+    def has_sequence(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def sequence_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).blocks)
+
+    def sequence_length(self, seq_id) -> int:
+        return self._get(seq_id).length
+
+    def ref_count(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block_id must be in [0, {self.num_blocks}), got {block_id}")
+        return self._ref[block_id]
+
+    def slot(self, seq_id, pos: int) -> int:
+        """Slot of token ``pos`` of a sequence."""
+        seq = self._get(seq_id)
+        if not 0 <= pos < seq.length:
+            raise IndexError(f"pos {pos} out of range for sequence {seq_id!r} of length {seq.length}")
+        return seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slot_mapping(self, seq_id, start: int = 0, end: Optional[int] = None) -> list[int]:
+        """Slots of tokens ``start .. end-1`` (``end`` defaults to the sequence length)."""
+        seq = self._get(seq_id)
+        end = seq.length if end is None else end
+        if not 0 <= start <= end <= seq.length:
+            raise IndexError(f"range [{start}, {end}) out of range for sequence {seq_id!r} "
+                             f"of length {seq.length}")
+        bs, blocks = self.block_size, seq.blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ------------------------------------------------------------------ sequences
+
+    def create_sequence(self, seq_id, token_ids=None, num_tokens: Optional[int] = None) -> int:
+        """Allocate blocks for a prompt. Returns how many leading tokens are already cached.
+
+        The count is a multiple of ``block_size`` and always less than the prompt length (at least
+        the last token is left for the caller to compute, since the model needs its logits);
+        0 without prefix caching or when token ids are not given. The caller must write the
+        keys/values of tokens ``cached .. len-1`` (see :meth:`slot_mapping`).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens, n = _normalize_tokens(token_ids, num_tokens)
+        track = self.enable_prefix_caching and tokens is not None
+        hits, key, ident = self._lookup(tokens) if track else ([], None, None)
+
+        # Check before mutating anything, so that failure leaves the state unchanged. Hit blocks
+        # that are cached-but-free come out of the free pool too.
+        new = -(-n // self.block_size) - len(hits)
+        from_pool = new + sum(1 for b in hits if self._ref[b] == 0)
+        self._check_free(from_pool, f"create sequence {seq_id!r}")
+
+        for b in hits:
+            self._free_cached.pop(b, None)
+            self._ref[b] += 1
+        seq = _Seq(row=self._take_row(), tokens=tokens if track else None,
+                   num_hashed=len(hits), chain_key=key, chain_ident=ident)
+        self._seqs[seq_id] = seq
+        for b in hits:
+            self._push_block(seq, b)
+        for _ in range(new):
+            self._push_block(seq, self._take_free_block())
+        seq.length = n
+        self._lens[seq.row] = n
+        self._register_full_blocks(seq)
+        return len(hits) * self.block_size
+
+    def append_token(self, seq_id, token_id: Optional[int] = None) -> int:
+        """Make room for one more token; returns its slot.
+
+        May record a copy-on-write (see :meth:`take_copies`). Passing ``token_id`` keeps the
+        sequence's blocks cacheable; ``None`` stops prefix caching for the rest of it.
+        """
+        seq = self._get(seq_id)
+        bs = self.block_size
+        offset = seq.length % bs
+        if offset == 0:  # crossing into a new block: the only time a block is taken
+            self._check_free(1, f"append to sequence {seq_id!r}")
+            block = self._take_free_block()
+            self._push_block(seq, block)
+        else:
+            block = seq.blocks[-1]
+            if self._ref[block] > 1:  # shared: never write where another sequence reads
+                block = self._copy_on_write(seq, seq_id)
+        seq.length += 1
+        self._lens[seq.row] = seq.length
+        if seq.tokens is not None:
+            if token_id is None:
+                seq.tokens = None  # later blocks cannot be keyed by content
+            else:
+                seq.tokens.append(int(token_id))
+                if offset == bs - 1:
+                    self._register_full_blocks(seq)
+        return block * bs + offset
+
+    def append_tokens(self, seq_id, token_ids=None, num_tokens: Optional[int] = None) -> list[int]:
+        """Append several tokens (e.g. a prompt continuation); returns their slots.
+
+        All-or-nothing: raises OutOfBlocksError before changing anything if the pool is short.
+        """
+        seq = self._get(seq_id)
+        tokens, n = _normalize_tokens(token_ids, num_tokens)
+        bs = self.block_size
+        needed = -(-(seq.length + n) // bs) - len(seq.blocks)
+        if n and seq.length % bs and self._ref[seq.blocks[-1]] > 1:
+            needed += 1  # the first append will copy-on-write
+        self._check_free(needed, f"append {n} tokens to sequence {seq_id!r}")
+        if tokens is None:
+            return [self.append_token(seq_id) for _ in range(n)]
+        return [self.append_token(seq_id, t) for t in tokens]
+
+    def fork(self, parent_id, child_id) -> None:
+        """The child shares every block of the parent (reference counted); nothing is copied."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        child = _Seq(row=self._take_row(), blocks=list(parent.blocks), length=parent.length,
+                     tokens=None if parent.tokens is None else list(parent.tokens),
+                     num_hashed=parent.num_hashed, chain_key=parent.chain_key,
+                     chain_ident=parent.chain_ident)
+        self._seqs[child_id] = child
+        for b in child.blocks:
+            self._ref[b] += 1
+        self._ensure_cols(len(child.blocks))
+        self._tables[child.row] = self._tables[parent.row]
+        self._lens[child.row] = child.length
+
+    def release_sequence(self, seq_id) -> None:
+        """Drop a sequence. Blocks no longer referenced return to the pool (cached ones stay
+        findable until the pool needs them)."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        # Release tail first so that, within one sequence, deeper blocks are evicted before the
+        # blocks they chain from (evicting a parent makes its cached children unreachable).
+        for b in reversed(seq.blocks):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._return_block(b)
+        self._tables[seq.row, : len(seq.blocks)] = 0
+        self._lens[seq.row] = 0
+        self._free_rows.append(seq.row)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies recorded since the last call, in order.
+
+        A block named by a pending copy is held out of the pool until this call even if released,
+        so a batch never reuses a source as a destination nor a destination twice: the copies
+        may run in parallel (given the contract above: no fork between append and copy)."""
+        copies, self._copies = self._copies, []
+        self._in_copy.clear()
+        for b in self._deferred:
+            self._return_block(b)
+        self._deferred.clear()
+        return copies
+
+    # ------------------------------------------------------------------ batch tensors
+
+    def get_block_tables_tensor(self, seq_ids: Sequence, device=None) -> torch.Tensor:
+        """int32 ``[len(seq_ids), max_blocks]``, zero-padded past each sequence's blocks."""
+        return self.get_batch_tensors(seq_ids, device)[0]
+
+    def get_seq_lens_tensor(self, seq_ids: Sequence, device=None) -> torch.Tensor:
+        """int32 ``[len(seq_ids)]``."""
+        rows = self._rows(seq_ids)
+        return _to(torch.from_numpy(self._lens[rows]), device)
+
+    def get_batch_tensors(self, seq_ids: Sequence, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, seq_lens) for a batch with one row lookup."""
+        seqs = [self._get(s) for s in seq_ids]
+        rows = [s.row for s in seqs]
+        width = max((len(s.blocks) for s in seqs), default=0) or 1  # kernels want >= 1 column
+        tables = torch.from_numpy(self._tables[rows, :width])  # fancy index = one gather + copy
+        lens = torch.from_numpy(self._lens[rows])
+        return _to(tables, device), _to(lens, device)
+
+    # ------------------------------------------------------------------ accounting
+
+    def usage(self) -> dict:
+        """Pool occupancy. ``tokens_stored`` counts distinct filled slots (shared ones once);
+        ``tokens_logical`` sums sequence lengths; ``slots_wasted`` are empty slots of used blocks."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for i, b in enumerate(seq.blocks):
+                fill[b] = min(bs, seq.length - i * bs)
+        used = sum(1 for r in self._ref if r > 0)
+        stored = sum(fill.values())
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_used": used,
+            "blocks_free": self.num_free_blocks,
+            "blocks_cached_free": len(self._free_cached),
+            "blocks_awaiting_copy": len(self._deferred),
+            "blocks_shared": sum(1 for r in self._ref if r > 1),
+            "blocks_cached": sum(len(v) for v in self._cache.values()),
+            "sequences": len(self._seqs),
+            "tokens_stored": stored,
+            "tokens_logical": sum(s.length for s in self._seqs.values()),
+            "slots_wasted": used * bs - stored,
+        }
+
+    def invariants_ok(self) -> bool:
+        return not self.invariant_violations()
+
+    def invariant_violations(self) -> list[str]:
+        """Human-readable list of broken invariants (empty when all hold)."""
+        bad: list[str] = []
+        n, bs = self.num_blocks, self.block_size
+        refs = [0] * n
+        for sid, seq in self._seqs.items():
+            if len(seq.blocks) != -(-seq.length // bs):
+                bad.append(f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.length} tokens")
+            for b in seq.blocks:
+                if not 0 <= b < n:
+                    bad.append(f"seq {sid!r}: block id {b} out of range")
+                else:
+                    refs[b] += 1
+            bad += self._mirror_violations(sid, seq)
+            bad += self._token_violations(sid, seq)
+        if refs != self._ref:
+            bad.append("reference counts differ from table entries: "
+                       f"{[(b, self._ref[b], refs[b]) for b in range(n) if refs[b] != self._ref[b]]}")
+        pools = list(self._free) + list(self._free_cached) + self._deferred
+        if len(pools) != len(set(pools)):
+            bad.append("a block appears twice among the free lists")
+        pooled = set(pools)
+        for b in range(n):
+            if (refs[b] > 0) == (b in pooled):
+                bad.append(f"block {b}: referenced {refs[b]} times, in free pool: {b in pooled}")
+        for b in self._free:
+            if self._meta[b].key is not None:
+                bad.append(f"block {b} is in the plain free list but still registered")
+        for b in self._deferred:
+            if b not in self._in_copy:
+                bad.append(f"block {b} is held back but no pending copy names it")
+        for key, blocks in self._cache.items():
+            for b in blocks:
+                if self._meta[b].key != key:
+                    bad.append(f"cache key {key} points at block {b} registered as {self._meta[b].key}")
+                if refs[b] == 0 and b not in self._free_cached:
+                    bad.append(f"cached block {b} is neither referenced nor cached-free")
+        registered = sum(1 for m in self._meta if m.key is not None)
+        if registered != sum(len(v) for v in self._cache.values()):
+            bad.append("registered blocks and cache entries disagree")
+        for b in self._free_cached:
+            if self._meta[b].key is None:
+                bad.append(f"cached-free block {b} is not registered")
+        return bad
+
+    def _mirror_violations(self, sid, seq: _Seq) -> list[str]:
+        row = self._tables[seq.row]
+        nb = len(seq.blocks)
+        if row[:nb].tolist() != seq.blocks or row[nb:].any() or self._lens[seq.row] != seq.length:
+            return [f"seq {sid!r}: numpy mirror out of sync"]
+        return []
+
+    def _token_violations(self, sid, seq: _Seq) -> list[str]:
+        """Registered blocks must hold exactly the tokens of every sequence that uses them."""
+        if seq.tokens is None:
+            return []
+        bad = []
+        bs = self.block_size
+        for i, b in enumerate(seq.blocks[: seq.length // bs]):
+            meta = self._meta[b]
+            if meta.key is not None and meta.tokens != tuple(seq.tokens[i * bs:(i + 1) * bs]):
+                bad.append(f"seq {sid!r}: cached block {b} holds other tokens")
+        return bad
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, seq_id) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def _rows(self, seq_ids) -> list[int]:
+        return [self._get(s).row for s in seq_ids]
+
+    def _check_free(self, needed: int, what: str) -> None:
+        free = self.num_free_blocks
+        if needed > free:
+            held = f"; {len(self._deferred)} more await take_copies()" if self._deferred else ""
+            raise OutOfBlocksError(
+                f"out of KV blocks: {what} needs {needed} block(s) but {free} of "
+                f"{self.num_blocks} are free{held}", needed=needed, free=free)
+
+    def _take_free_block(self) -> int:
+        """Pop a free block: never-cached ones first, then evict the least recently released."""
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._free_cached.popitem(last=False)
+            self._unregister(b)
+        self._meta[b].gen += 1  # new lifetime: stale parent links to it can no longer match
+        self._ref[b] = 1
+        return b
+
+    def _return_block(self, b: int) -> None:
+        """A block whose last reference went away goes back to the pool."""
+        if b in self._in_copy:
+            self._deferred.append(b)  # a pending copy still names it; see take_copies()
+        elif self._meta[b].key is not None:
+            self._free_cached[b] = None  # newest at the end: evicted last
+        else:
+            self._free.append(b)
+
+    def _copy_on_write(self, seq: _Seq, seq_id) -> int:
+        self._check_free(1, f"copy-on-write for sequence {seq_id!r}")
+        old = seq.blocks[-1]
+        new = self._take_free_block()
+        self._ref[old] -= 1  # still >= 1: another sequence holds it
+        seq.blocks[-1] = new
+        self._tables[seq.row, len(seq.blocks) - 1] = new
+        self._copies.append((old, new))
+        self._in_copy.update((old, new))
+        return new
+
+    def _push_block(self, seq: _Seq, b: int) -> None:
+        i = len(seq.blocks)
+        seq.blocks.append(b)
+        if i >= self._tables.shape[1]:
+            self._ensure_cols(i + 1)
+        self._tables[seq.row, i] = b
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = self._next_row
+        self._next_row += 1
+        if row >= self._tables.shape[0]:  # grow by doubling: amortised O(1) per sequence
+            rows = 2 * self._tables.shape[0]
+            self._tables = _grown(self._tables, (rows, self._tables.shape[1]))
+            self._lens = _grown(self._lens, (rows,))
+        return row
+
+    def _ensure_cols(self, cols: int) -> None:
+        if cols > self._tables.shape[1]:
+            width = self._tables.shape[1]
+            while width < cols:
+                width *= 2
+            self._tables = _grown(self._tables, (self._tables.shape[0], width))
+
+    # --- prefix cache
+
+    def _lookup(self, tokens: list) -> tuple[list[int], Optional[int], Optional[_Ident]]:
+        """Longest run of cached full blocks matching a prompt, leaving its last token out.
+
+        Block i matches a candidate only if the candidate's tokens equal the prompt's tokens of
+        block i and its parent is the block matched for i-1 (same lifetime), so the whole prefix
+        is confirmed by induction, token by token; the hash only narrows the search."""
+        bs = self.block_size
+        hits: list[int] = []
+        key, ident = None, None
+        for i in range((len(tokens) - 1) // bs if tokens else 0):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            k = _chain_hash(key, chunk)
+            b = self._find(k, chunk, ident)
+            if b is None:
+                break
+            hits.append(b)
+            key, ident = k, (b, self._meta[b].gen)
+        return hits, key, ident
+
+    def _find(self, key: int, chunk: tuple, parent: Optional[_Ident]) -> Optional[int]:
+        for b in self._cache.get(key, ()):
+            meta = self._meta[b]
+            if meta.tokens == chunk and meta.parent == parent:
+                return b
+        return None
+
+    def _register_full_blocks(self, seq: _Seq) -> None:
+        """Offer the sequence's newly full blocks to the prefix cache."""
+        if seq.tokens is None:
+            return
+        bs = self.block_size
+        while seq.num_hashed < seq.length // bs:
+            i = seq.num_hashed
+            chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            key = _chain_hash(seq.chain_key, chunk)
+            b = self._find(key, chunk, seq.chain_ident)
+            if b is None:  # first copy of this prefix: make it findable
+                b = seq.blocks[i]
+                meta = self._meta[b]
+                meta.key, meta.tokens, meta.parent = key, chunk, seq.chain_ident
+                self._cache.setdefault(key, []).append(b)
+            # else: an identical block is already cached; chain later blocks to that one so that
+            # lookups (which walk cached blocks) can reach them.
+            seq.num_hashed += 1
+            seq.chain_key, seq.chain_ident = key, (b, self._meta[b].gen)
+
+    def _unregister(self, b: int) -> None:
+        meta = self._meta[b]
+        bucket = self._cache[meta.key]
+        bucket.remove(b)
+        if not bucket:
+            del self._cache[meta.key]
+        meta.key = meta.tokens = meta.parent = None
+
+
+def _normalize_tokens(token_ids, num_tokens) -> tuple[Optional[list], int]:
+    if token_ids is None:
+        n = 0 if num_tokens is None else num_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        return ([] if n == 0 else None), int(n)  # an empty prompt's ids are all known
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        tokens = token_ids.tolist()
+    else:
+        tokens = [int(t) for t in token_ids]
+    if num_tokens is not None and num_tokens != len(tokens):
+        raise ValueError(f"num_tokens={num_tokens} but {len(tokens)} token_ids were given")
+    return tokens, len(tokens)
+
+
+def _grown(arr: np.ndarray, shape: tuple) -> np.ndarray:
+    out = np.zeros(shape, dtype=arr.dtype)
+    out[tuple(slice(0, s) for s in arr.shape)] = arr
+    return out
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    return t if device is None else t.to(device)
