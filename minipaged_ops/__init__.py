@@ -16,12 +16,13 @@ except ImportError as err:  # pragma: no cover - only on a broken install
     ) from err
 
 from . import reference
-from ._ops import compiled_backends, copy_blocks, paged_attention_decode, reshape_and_cache
+from ._ops import build_info, compiled_backends, copy_blocks, paged_attention_decode, reshape_and_cache
 from .block_manager import KVBlockManager, OutOfBlocksError
 
 __all__ = [
     "KVBlockManager",
     "OutOfBlocksError",
+    "build_info",
     "compiled_backends",
     "copy_blocks",
     "paged_attention_decode",

@@ -61,6 +61,11 @@ def _copy_blocks_fake(key_cache, value_cache, block_mapping):
     return None
 
 
+def build_info() -> str:
+    """One line saying which backends this build compiled and, when CUDA is missing, why."""
+    return _ops.build_info()
+
+
 def compiled_backends() -> list[str]:
     """The dispatch keys that have minipaged kernels in this build, e.g. ``["CPU", "CUDA"]``."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key

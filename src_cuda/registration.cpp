@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 TORCH_LIBRARY(minipaged, m) {
   // Writes key[i], value[i] into slot slot_mapping[i] of the caches; negative slots are skipped.
   m.def(
@@ -15,6 +17,8 @@ TORCH_LIBRARY(minipaged, m) {
       "Tensor block_tables, Tensor seq_lens, float scale, int? max_seq_len=None) -> Tensor");
   // Copies whole blocks (src, dst) in both caches: the data side of copy-on-write.
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
+  // What this build compiled, and why a backend is missing (e.g. no nvcc for a CUDA torch).
+  m.def("build_info() -> str", [] { return std::string(MINIPAGED_BUILD_INFO); });
 }
 
 // _C is imported as a Python extension module so that the library loads once per process

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -20,12 +21,79 @@
 namespace minipaged {
 namespace {
 
+// The cache dtypes (check_cache_pair admits exactly these).
+#define MINIPAGED_DISPATCH(TYPE, NAME, ...)                       \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)          \
+                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 constexpr int64_t kPartitionTokens = 512;  // tokens per work item along the context
 
-// Rows of K/V are converted to float before the arithmetic: one cheap, vectorisable pass.
+// 16-float vectors through GCC/Clang vector extensions: the compiler maps them onto AVX-512,
+// AVX2 or NEON registers, so one source serves every CPU without intrinsics.
+constexpr int64_t kW = 16;
+using f32x16 = float __attribute__((vector_size(64), aligned(4)));
+using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
+
+inline f32x16 load(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+inline void store(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+inline float hsum(f32x16 v) {
+  using f32x8 = float __attribute__((vector_size(32)));
+  using f32x4 = float __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for 16 floats: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial
+// (relative error < 2e-7 on that range), 2^k spliced into the exponent bits. Inputs below
+// -87 flush to 0, which is what the softmax wants for far-below-max scores.
+inline f32x16 exp16(f32x16 x) {
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f) , i32x16), f32x16);
+  const f32x16 r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  f32x16 p = 1.f / 720 + f32x16{};
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  f32x16 result = p * reinterpret_cast<const f32x16&>(bits);
+  return x <= lo ? f32x16{} : result;
+}
+
+// Rows of K/V are converted to float before the arithmetic: one cheap, vectorised pass
+// (bfloat16 is the top half of a float; float16 converts in hardware where F16C exists).
+template <typename T>
+void to_float(const T* src, int64_t n, float* dst);
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, int64_t n, float* dst) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(bits + i), u32x16) << 16;
+    store(dst + i, reinterpret_cast<f32x16&>(wide));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void to_float<c10::Half>(const c10::Half* src, int64_t n, float* dst) {
+  const auto* halves = reinterpret_cast<const _Float16*>(src);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) store(dst + i, __builtin_convertvector(*reinterpret_cast<const f16x16*>(halves + i), f32x16));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 template <typename T>
 inline const float* as_float(const T* src, int64_t n, float* buf) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  to_float(src, n, buf);
   return buf;
 }
 template <>
@@ -33,21 +101,91 @@ inline const float* as_float<float>(const float* src, int64_t, float*) {
   return src;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  // Independent partial sums so the compiler vectorises without reassociating a reduction.
-  constexpr int kLanes = 16;
-  float part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
-  float sum = 0.f;
-  for (int j = 0; j < kLanes; ++j) sum += part[j];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+inline void prefetch(const char* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// A tile of GT query heads of one GQA group, kept in registers while a block streams by:
+// each K/V row is loaded once for all GT heads.
+template <int GT>
+struct HeadTile {
+  // scores[g * stride + t] = q[g] . k[t] for the n rows of k.
+  static void scores(const float* q, const float* k, int64_t n, int64_t D, float* scores, int64_t stride) {
+    const int64_t Dv = D / kW * kW;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kt = k + t * D;
+      f32x16 acc[GT] = {};
+      for (int64_t d = 0; d < Dv; d += kW) {
+        const f32x16 kv = load(kt + d);
+        for (int g = 0; g < GT; ++g) acc[g] += load(q + g * D + d) * kv;
+      }
+      for (int g = 0; g < GT; ++g) {
+        float s = hsum(acc[g]);
+        for (int64_t d = Dv; d < D; ++d) s += q[g * D + d] * kt[d];
+        scores[g * stride + t] = s;
+      }
+    }
+  }
+  // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v.
+  static void accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D, float* acc) {
+    const int64_t Dv = D / kW * kW;
+    for (int64_t d = 0; d < Dv; d += kW) {
+      f32x16 a[GT];
+      for (int g = 0; g < GT; ++g) a[g] = load(acc + g * D + d);
+      for (int64_t t = 0; t < n; ++t) {
+        const f32x16 vv = load(v + t * D + d);
+        for (int g = 0; g < GT; ++g) a[g] += p[g * stride + t] * vv;
+      }
+      for (int g = 0; g < GT; ++g) store(acc + g * D + d, a[g]);
+    }
+    for (int64_t d = Dv; d < D; ++d)
+      for (int64_t t = 0; t < n; ++t)
+        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * v[t * D + d];
+  }
+};
+
+constexpr int64_t kMaxTile = 8;
+
+// Calls f(HeadTile<gt>{}) for a run-time gt in [1, kMaxTile].
+template <typename F>
+void with_tile(int64_t gt, F&& f) {
+  switch (gt) {
+    case 1: return f(HeadTile<1>{});
+    case 2: return f(HeadTile<2>{});
+    case 3: return f(HeadTile<3>{});
+    case 4: return f(HeadTile<4>{});
+    case 5: return f(HeadTile<5>{});
+    case 6: return f(HeadTile<6>{});
+    case 7: return f(HeadTile<7>{});
+    default: return f(HeadTile<8>{});
+  }
+}
+
+// Online-softmax update of one head for a block of n scores: rescale the running state to the
+// new max and turn the scores into exp(score - max) in place.
+inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum, float* acc, int64_t D) {
+  float block_max = s[0];
+  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+  const float new_max = std::max(max_score, block_max);
+  const float rescale = std::exp(max_score - new_max);  // 0 on the first block
+  float sum = 0.f;
+  int64_t t = 0;
+  for (; t + kW <= n; t += kW) {
+    const f32x16 e = exp16(load(s + t) - new_max);
+    store(s + t, e);
+    sum += hsum(e);
+  }
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - new_max));
+  exp_sum = exp_sum * rescale + sum;
+  max_score = new_max;
+  if (rescale != 1.f)
+    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
 }
 
 // Running softmax state of one work item: per query head of the group, the max score seen,
@@ -77,24 +215,22 @@ void decode_work_item(const float* q,  // [group, head_dim], already scaled
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
     const int64_t row = layout.row(block, kv_head, first);
+    if (pos + n < end) {
+      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for it
+      // while this one is computed.
+      const int64_t next = layout.row(block_table[(pos + n) / B], kv_head, 0);
+      const int64_t bytes = std::min(B, end - pos - n) * D * static_cast<int64_t>(sizeof(T));
+      prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
+      prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
+    }
     const float* k = as_float(key_cache + row, n * D, kbuf);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t t = 0; t < n; ++t) scores[g * B + t] = dot(q + g * D, k + t * D, D);
-
     const float* v = as_float(value_cache + row, n * D, vbuf);
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + g * B;
-      const float block_max = *std::max_element(s, s + n);
-      const float new_max = std::max(out.max_score[g], block_max);
-      const float rescale = std::exp(out.max_score[g] - new_max);  // 0 on the first block
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - new_max));
-      out.exp_sum[g] = out.exp_sum[g] * rescale + sum;
-      out.max_score[g] = new_max;
-      float* acc = out.acc + g * D;
-      if (rescale != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
-      for (int64_t t = 0; t < n; ++t) axpy(s[t], v + t * D, acc, D);
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxTile) {  // one tile unless group > 8
+      const int64_t gt = std::min(kMaxTile, group - g0);
+      with_tile(gt, [&](auto tile) { tile.scores(q + g0 * D, k, n, D, scores + g0 * B, B); });
+      for (int64_t g = g0; g < g0 + gt; ++g)
+        softmax_update(scores + g * B, n, out.max_score[g], out.exp_sum[g], out.acc + g * D, D);
+      with_tile(gt, [&](auto tile) { tile.accumulate(scores + g0 * B, B, v, n, D, out.acc + g0 * D); });
     }
     pos += n;
   }
@@ -126,7 +262,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   at::Tensor acc = at::empty({num_seqs, num_heads, num_parts, D}, max_score.options());
   at::Tensor out = at::empty({num_seqs, num_heads, D}, query.options());
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode_cpu", [&] {
+  MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_decode_cpu", [&] {
     const scalar_t* kc = key_cache.const_data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.const_data_ptr<scalar_t>();
     const float* qp = q.const_data_ptr<float>();
@@ -185,7 +321,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t D = layout.head_dim;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "reshape_and_cache_cpu", [&] {
+  MINIPAGED_DISPATCH(key.scalar_type(), "reshape_and_cache_cpu", [&] {
     auto write = [&](const at::Tensor& src, scalar_t* dst_base, int64_t i) {
       const scalar_t* s = src.const_data_ptr<scalar_t>();
       for (int64_t h = 0; h < layout.num_kv_heads; ++h) {

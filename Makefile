@@ -1,0 +1,48 @@
+# The two commands: `make demo` and `make test`. Each sets up everything it needs (a .venv,
+# torch, the other packages, the build) idempotently, then runs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# pip resolves torch to the CUDA build, which also runs on CPU-only machines.
+DEPS   := "torch>=2.11" "transformers>=5.17,<6" "scikit-build-core>=0.10" "cmake>=3.27" ninja numpy \
+          pytest hypothesis expecttest tqdm matplotlib
+# transformers' oldest supported release, installed beside the newest for the integration tests.
+TF_OLDEST     := 5.17.0
+TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
+SOURCES := $(shell find src_cuda -type f) CMakeLists.txt pyproject.toml
+
+.PHONY: demo test test-ops setup build bench clean
+
+demo: build
+	$(PY) -m minipaged_ops.demo
+
+test: build $(TF_OLDEST_DIR)/.stamp
+	$(PY) -m pytest tests
+	@echo "--- integration tests again on transformers $(TF_OLDEST)"
+	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k integration -p no:cacheprovider
+
+setup: $(VENV)/.deps-stamp
+
+build: $(VENV)/.build-stamp
+
+$(VENV)/.deps-stamp: Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(DEPS)
+	touch $@
+
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	@$(PY) -c "import minipaged_ops; print('minipaged:', minipaged_ops.build_info())"
+	touch $@
+
+$(TF_OLDEST_DIR)/.stamp: $(VENV)/.deps-stamp
+	$(PIP) install --no-deps --target $(TF_OLDEST_DIR) transformers==$(TF_OLDEST)
+	touch $@
+
+bench: build
+	$(PY) bench/decode_cpu.py
+	$(PY) bench/block_manager.py
+
+clean:
+	rm -rf build $(VENV)

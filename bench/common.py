@@ -1,0 +1,100 @@
+"""Shared pieces of the benchmarks: timing, bandwidth probes, paged copies of contiguous K/V."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def median_seconds(fn, iters: int, warmup: int = 3, device: str = "cpu") -> float:
+    """Median wall time of ``fn()``; CUDA runs are timed with events and a cold L2 per run."""
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > H200's 50 MB L2
+        times = []
+        for _ in range(iters):
+            flush.zero_()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes/s of a large ``sum`` (reads only): the roof a memory-bound CPU kernel can reach."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / median_seconds(lambda: x.sum(), iters, device=device)
+
+
+def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes/s moved (read + write) by a large copy: the roof for a write kernel, and on the GPU
+    the device-to-device figure of merit."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), iters, device=device)
+
+
+@dataclass
+class DecodeProblem:
+    """One decode step: contiguous K/V for the baseline and the same data in a shuffled paged pool."""
+
+    query: torch.Tensor          # [num_seqs, num_heads, head_dim]
+    key: torch.Tensor            # [num_seqs, num_kv_heads, seq_len, head_dim] (contiguous baseline)
+    value: torch.Tensor
+    key_cache: torch.Tensor      # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor   # int32 [num_seqs, blocks_per_seq]
+    seq_lens: torch.Tensor       # int32 [num_seqs]
+    scale: float
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V a decode step must read once."""
+        return 2 * self.key.numel() * self.key.element_size()
+
+
+def make_decode_problem(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = batch * blocks_per_seq
+    query = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    key = torch.randn(batch, num_kv_heads, seq_len, head_dim, generator=g).to(dtype)
+    value = torch.randn(batch, num_kv_heads, seq_len, head_dim, generator=g).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=g).to(torch.int32).reshape(batch, blocks_per_seq)
+    pad = blocks_per_seq * block_size - seq_len
+    key_cache = torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype)
+    value_cache = torch.empty_like(key_cache)
+    for src, dst in ((key, key_cache), (value, value_cache)):
+        blocks = torch.nn.functional.pad(src, (0, 0, 0, pad)).reshape(batch, num_kv_heads, blocks_per_seq, block_size, head_dim)
+        dst[block_tables.long()] = blocks.permute(0, 2, 1, 3, 4)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    tensors = [t.to(device) for t in (query, key, value, key_cache, value_cache, block_tables, seq_lens)]
+    return DecodeProblem(*tensors, scale=head_dim**-0.5)
+
+
+def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
+    """The no-paging baseline: SDPA over contiguous K/V, GQA handled by SDPA itself."""
+    q = p.query.unsqueeze(2)
+    return torch.nn.functional.scaled_dot_product_attention(q, p.key, p.value, scale=p.scale, enable_gqa=True).squeeze(2)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))

@@ -1,0 +1,65 @@
+"""Shared fixtures and builders for the op tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minipaged_ops  # noqa: F401  (loads the ops)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Tolerances against a float64 reference fed the same (already rounded) inputs: the output
+# is rounded once to the query dtype, plus float32 accumulation error.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def device_params():
+    """Every device, with CUDA marked so it skips cleanly without a GPU."""
+    cuda = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+    return ["cpu", cuda]
+
+
+def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, *,
+                    seed=0, sharp=False, spare_blocks=3):
+    """Random caches with shuffled block tables that include the highest block id.
+
+    Blocks not owned by any sequence and table entries past each sequence's length are
+    poisoned (NaN data, out-of-range ids), so a kernel that reads them produces NaN or fails.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    width = max(max(blocks_needed, default=0), 1) + 1
+    num_blocks = sum(blocks_needed) + spare_blocks
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)
+    # Hand the highest block id out first so it is always in use.
+    perm = torch.cat([perm[perm == num_blocks - 1], perm[perm != num_blocks - 1]])
+    block_tables = torch.full((len(seq_lens), width), -7, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_needed):
+        block_tables[s, :n] = perm[used:used + n].to(torch.int32)
+        block_tables[s, n:] = torch.tensor([num_blocks + 11, -1, 2**31 - 1], dtype=torch.int32).repeat(width)[: width - n]
+        used += n
+    for b in perm[used:]:
+        key_cache[b] = float("nan")
+        value_cache[b] = float("nan")
+    # Slots past the end of a sequence inside its last block are unused too.
+    for s, n in enumerate(seq_lens):
+        if n % block_size:
+            last = block_tables[s, n // block_size].item()
+            key_cache[last, :, n % block_size:] = float("nan")
+            value_cache[last, :, n % block_size:] = float("nan")
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    if sharp:
+        # Make one cached key per sequence dominate its softmax: a near-one-hot distribution.
+        for s, n in enumerate(seq_lens):
+            if n:
+                pos = int(torch.randint(n, (1,), generator=g))
+                blk = block_tables[s, pos // block_size].item()
+                kv = key_cache[blk, :, pos % block_size]
+                query[s] = 0.3 * query[s] + 3.0 * kv.repeat_interleave(num_heads // num_kv_heads, 0)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    to = lambda t: t.to(device=device, dtype=dtype)
+    return dict(query=to(query), key_cache=to(key_cache), value_cache=to(value_cache),
+                block_tables=block_tables.to(device), seq_lens=seq_lens_t.to(device))

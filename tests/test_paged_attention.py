@@ -1,0 +1,91 @@
+"""paged_attention_decode against the float64 reference, over a grid of shapes and dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minipaged_ops
+from minipaged_ops import reference
+from conftest import TOLERANCE, device_params, make_paged_case
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, plus a ratio over 8 and a non-power-of-two one.
+HEADS = [(4, 4), (8, 4), (8, 2), (16, 2), (32, 2), (6, 2)]
+HEAD_DIMS = [64, 128, 256]
+BLOCK_SIZES = [8, 16, 32]
+
+
+def check(case, scale, dtype, max_seq_len=None):
+    out = minipaged_ops.paged_attention_decode(**case, scale=scale, max_seq_len=max_seq_len)
+    f64 = {k: (v.double().cpu() if v.is_floating_point() else v.cpu()) for k, v in case.items()}
+    expected = reference.paged_attention_decode(**f64, scale=scale)
+    assert out.dtype == dtype and out.shape == case["query"].shape
+    assert torch.isfinite(out).all(), "the kernel read poisoned (unused) cache memory"
+    torch.testing.assert_close(out.double().cpu(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    return out
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grid(dtype, heads, head_dim, block_size, device):
+    # Ragged lengths: empty, one token, exact block multiples, and one past a multiple.
+    seq_lens = [0, 1, block_size, 3 * block_size, 3 * block_size + 1, 77]
+    seed = hash((str(dtype), heads, head_dim, block_size)) % 2**31
+    case = make_paged_case(seq_lens, *heads, head_dim, block_size, dtype, device, seed=seed)
+    out = check(case, head_dim**-0.5, dtype)
+    assert (out[0] == 0).all(), "seq_len == 0 must give a zero row"
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sharp_softmax(dtype, device):
+    case = make_paged_case([5, 64, 300], 16, 4, 128, 16, dtype, device, seed=3, sharp=True)
+    check(case, 1.0, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_sequences(dtype, block_size, device):
+    # Past 4,096 tokens: several partitions on both backends, merged.
+    case = make_paged_case([4097, 9000, 33], 8, 2, 128, block_size, dtype, device, seed=7)
+    check(case, 128**-0.5, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_max_seq_len_hint(device):
+    case = make_paged_case([100, 7, 64], 8, 4, 64, 16, torch.float32, device, seed=11)
+    check(case, 0.125, torch.float32, max_seq_len=100)
+    check(case, 0.125, torch.float32, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_strided_query(device):
+    case = make_paged_case([40, 3], 8, 4, 64, 8, torch.float32, device, seed=5)
+    fused = torch.randn(2, 8, 3 * 64, device=device)
+    fused[..., 64:128] = case["query"]
+    case["query"] = fused[..., 64:128]  # a slice of a fused qkv projection
+    assert not case["query"].is_contiguous()
+    check(case, 0.125, torch.float32)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_empty_batch(device):
+    case = make_paged_case([], 4, 4, 64, 16, torch.float32, device)
+    out = minipaged_ops.paged_attention_decode(**case, scale=1.0)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_cpu_head_dim_not_in_cuda_list(device):
+    # The CPU kernel takes any head_dim; the CUDA kernel names the ones it supports.
+    case = make_paged_case([20, 50], 4, 2, 80, 16, torch.float32, device, seed=2)
+    if device == "cpu":
+        check(case, 80**-0.5, torch.float32)
+    else:
+        with pytest.raises(ValueError, match="head_dim"):
+            minipaged_ops.paged_attention_decode(**case, scale=1.0)
