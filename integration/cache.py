@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import math
-import warnings
 from collections import Counter
 
 import torch
@@ -513,13 +512,13 @@ class PagedKVCache(_compat.Cache):
 
     def _autoattach(self) -> None:
         """Attach to the live top-level model(s) built from this cache's config, if any."""
-        with warnings.catch_warnings():  # isinstance() on some lazy module objects warns
-            warnings.simplefilter("ignore")
-            found = [
-                obj
-                for obj in gc.get_objects()
-                if isinstance(obj, torch.nn.Module) and getattr(obj, "config", None) is self._source_config
-            ]
+        module_type = torch.nn.Module
+        # type() (not isinstance) so that dead weak proxies and lazy modules are never touched
+        found = [
+            obj
+            for obj in gc.get_objects()
+            if issubclass(type(obj), module_type) and getattr(obj, "config", None) is self._source_config
+        ]
         inner = {id(m) for f in found for m in f.modules() if m is not f}
         for model in found:
             if id(model) not in inner:
