@@ -101,10 +101,6 @@ inline const float* as_float<float>(const float* src, int64_t, float*) {
   return src;
 }
 
-inline void prefetch(const char* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-}
-
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
@@ -215,14 +211,6 @@ void decode_work_item(const float* q,  // [group, head_dim], already scaled
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
     const int64_t row = layout.row(block, kv_head, first);
-    if (pos + n < end) {
-      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for it
-      // while this one is computed.
-      const int64_t next = layout.row(block_table[(pos + n) / B], kv_head, 0);
-      const int64_t bytes = std::min(B, end - pos - n) * D * static_cast<int64_t>(sizeof(T));
-      prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
-      prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
-    }
     const float* k = as_float(key_cache + row, n * D, kbuf);
     const float* v = as_float(value_cache + row, n * D, vbuf);
     for (int64_t g0 = 0; g0 < group; g0 += kMaxTile) {  // one tile unless group > 8
