@@ -399,7 +399,7 @@ __global__ void copy_blocks_kernel(char* key_cache, char* value_cache, const int
   char* cache = blockIdx.y == 0 ? key_cache : value_cache;
   const char* from = cache + src * block_bytes;
   char* to = cache + dst * block_bytes;
-  if (block_bytes % 16 == 0) {
+  if (block_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(cache) % 16 == 0) {
     for (int64_t i = threadIdx.x; i < block_bytes / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
   } else {
