@@ -128,21 +128,32 @@ struct HeadTile {
       }
     }
   }
-  // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v.
+  // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
+  // vectors so the GT x P accumulators stay in registers for the whole block.
   static void accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D, float* acc) {
-    const int64_t Dv = D / kW * kW;
-    for (int64_t d = 0; d < Dv; d += kW) {
-      f32x16 a[GT];
-      for (int g = 0; g < GT; ++g) a[g] = load(acc + g * D + d);
-      for (int64_t t = 0; t < n; ++t) {
-        const f32x16 vv = load(v + t * D + d);
-        for (int g = 0; g < GT; ++g) a[g] += p[g * stride + t] * vv;
-      }
-      for (int g = 0; g < GT; ++g) store(acc + g * D + d, a[g]);
-    }
-    for (int64_t d = Dv; d < D; ++d)
+    constexpr int P = GT >= 16 ? 1 : 16 / GT;
+    int64_t d = 0;
+    for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d);
+    for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d);
+    for (; d < D; ++d)
       for (int64_t t = 0; t < n; ++t)
         for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * v[t * D + d];
+  }
+  template <int P>
+  static void panel(const float* p, int64_t stride, const float* v, int64_t n, int64_t D, float* acc, int64_t d) {
+    f32x16 a[GT][P];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) a[g][c] = load(acc + g * D + d + c * kW);
+    for (int64_t t = 0; t < n; ++t) {
+      f32x16 vv[P];
+      for (int c = 0; c < P; ++c) vv[c] = load(v + t * D + d + c * kW);
+      for (int g = 0; g < GT; ++g) {
+        const float pg = p[g * stride + t];
+        for (int c = 0; c < P; ++c) a[g][c] += pg * vv[c];
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) store(acc + g * D + d + c * kW, a[g][c]);
   }
 };
 
