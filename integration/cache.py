@@ -244,9 +244,17 @@ class PagedKVCache(_compat.Cache):
         return self._columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        if self._in_step and self._mode == _DECODE:
+            return 0  # see get_mask_sizes: a constant inside the compiled decode step
         return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Mask extent. A decode step (one new token per live sequence) attends through the
+        block tables and ignores the mask, so its mask is a constant ``[batch, 1, 1, 1]``
+        (offsets 0): the compiled decode step then has no input whose shape or value changes
+        from step to step (no recompilation, CUDA graphs replay as recorded)."""
+        if query_length == 1 and self._rows:
+            return 1, 0
         return self._columns + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -283,20 +291,22 @@ class PagedKVCache(_compat.Cache):
         device = source.device
         self._ensure_pools(device, model.dtype)
         tokens = input_ids.tolist() if input_ids is not None else None
-        past = self._columns
-        real = _compat.padding_mask(attention_mask, batch, past + q, device)
-        new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
-        if not self._rows:
-            self._start_batch(batch, q, tokens, new_real, device)
-        elif batch != len(self._rows):
+        if self._rows and batch != len(self._rows):
             raise ValueError(
                 f"PagedKVCache holds {len(self._rows)} sequences but the forward has batch {batch}; "
                 "call cache.reset() before generating for a new batch"
             )
-        elif q == 1 and all(r[0] for r in new_real):
+        if q == 1 and self._rows:
+            # decode: every row appends its token (generate never feeds padding after the prompt)
             self._decode(tokens, device)
         else:
-            self._extend(q, tokens, new_real, real, past, device)
+            past = self._columns
+            real = _compat.padding_mask(attention_mask, batch, past + q, device)
+            new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
+            if not self._rows:
+                self._start_batch(batch, q, tokens, new_real, device)
+            else:
+                self._extend(q, tokens, new_real, real, past, device)
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         self._step_columns = q
         self._in_step = True

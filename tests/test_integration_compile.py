@@ -105,7 +105,13 @@ def test_transformers_compiled_generate_path():
     ref = reference(model, ids, mask, 40)
     model.set_attn_implementation("minipaged")
     cache = PagedKVCache(model.config, num_blocks=48, block_size=16)
-    config = CompileConfig(fullgraph=False, backend="eager", mode=None)
+    graph_inputs = []
+
+    def recording_backend(gm, example_inputs):
+        graph_inputs.append(example_inputs)
+        return gm.forward
+
+    config = CompileConfig(fullgraph=False, backend=recording_backend, mode=None)
     config._compile_all_devices = True  # transformers only auto-compiles on accelerators
     with torch.no_grad():
         out = model.generate(
@@ -114,3 +120,7 @@ def test_transformers_compiled_generate_path():
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # the decode graph is fully static: no symbolic sizes or ints among its inputs (CUDA graphs
+    # replay it as recorded; nothing recompiles as the sequences grow)
+    assert len(graph_inputs) == 1
+    assert all(isinstance(x, torch.Tensor) for x in graph_inputs[0]), [type(x) for x in graph_inputs[0]]
