@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,6 +49,17 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, iters: int = 10) 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / median_seconds(lambda: dst.copy_(src), iters, device=device)
+
+
+def machine_name(device: str = "cpu") -> str:
+    """A short name for plot titles and table headers: the GPU's name, or the CPU model and threads."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    return f"{model}, {torch.get_num_threads()} threads"
 
 
 @dataclass
