@@ -15,13 +15,14 @@ from minipaged_ops.block_manager import OutOfBlocksError
 
 from . import _compat
 from .attention import minipaged_attention_forward, minipaged_mask
-from .cache import ATTN_IMPLEMENTATION, PagedKVCache, attach_hooks
+from .cache import ATTN_IMPLEMENTATION, PagedKVCache, attach_hooks, detach_hooks
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "OutOfBlocksError",
     "PagedKVCache",
     "attach_hooks",
+    "detach_hooks",
     "minipaged_attention_forward",
     "minipaged_mask",
     "register",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import weakref
 from collections import Counter
 
 import torch
@@ -522,6 +523,9 @@ class PagedKVCache(_compat.Cache):
 
     def _autoattach(self) -> None:
         """Attach to the live top-level model(s) built from this cache's config, if any."""
+        if any(getattr(m, "config", None) is self._source_config for m in _HOOKED):
+            self._attached = True  # a model of this config already carries the hooks
+            return
         module_type = torch.nn.Module
         # type() (not isinstance) so that dead weak proxies and lazy modules are never touched
         found = [
@@ -546,6 +550,20 @@ def attach_hooks(model: torch.nn.Module) -> None:
     pre = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     post = model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
     model._minipaged_hooks = (pre, post)
+    _HOOKED.add(model)
+
+
+def detach_hooks(model: torch.nn.Module) -> None:
+    """Remove the hooks :func:`attach_hooks` installed (a no-op if there are none)."""
+    handles = getattr(model, "_minipaged_hooks", None)
+    if handles is not None:
+        for h in handles:
+            h.remove()
+        model._minipaged_hooks = None
+        _HOOKED.discard(model)
+
+
+_HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 @torch.compiler.disable
