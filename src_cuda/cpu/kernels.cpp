@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -101,6 +102,10 @@ inline const float* as_float<float>(const float* src, int64_t, float*) {
   return src;
 }
 
+inline void prefetch(const char* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
@@ -113,6 +118,10 @@ template <int GT>
 struct HeadTile {
   // scores[g * stride + t] = q[g] . k[t] for the n rows of k.
   static void scores(const float* q, const float* k, int64_t n, int64_t D, float* scores, int64_t stride) {
+    // With the whole query tile in registers, a token costs D/16 loads instead of (1+GT)*D/16.
+    if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride);
+    if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride);
+    if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride);
     const int64_t Dv = D / kW * kW;
     for (int64_t t = 0; t < n; ++t) {
       const float* kt = k + t * D;
@@ -126,6 +135,28 @@ struct HeadTile {
         for (int64_t d = Dv; d < D; ++d) s += q[g * D + d] * kt[d];
         scores[g * stride + t] = s;
       }
+    }
+  }
+  template <int DV>  // DV = head_dim / 16
+  static void scores_fixed(const float* q, const float* k, int64_t n, float* scores, int64_t stride) {
+    constexpr int64_t D = DV * kW;
+    f32x16 qv[GT][DV];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DV; ++c) qv[g][c] = load(q + g * D + c * kW);
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {  // two tokens at a time: independent FMA chains
+      f32x16 a0[GT] = {}, a1[GT] = {};
+      for (int c = 0; c < DV; ++c) {
+        const f32x16 k0 = load(k + t * D + c * kW), k1 = load(k + (t + 1) * D + c * kW);
+        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * k0, a1[g] += qv[g][c] * k1;
+      }
+      for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]), scores[g * stride + t + 1] = hsum(a1[g]);
+    }
+    for (; t < n; ++t) {
+      f32x16 a0[GT] = {};
+      for (int c = 0; c < DV; ++c)
+        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * load(k + t * D + c * kW);
+      for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]);
     }
   }
   // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
@@ -222,6 +253,14 @@ void decode_work_item(const float* q,  // [group, head_dim], already scaled
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
     const int64_t row = layout.row(block, kv_head, first);
+    if (const int64_t ahead = pos - first + B; ahead < end) {
+      // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
+      // cannot find the next one: ask for it while this one is computed.
+      const int64_t next = layout.row(block_table[ahead / B], kv_head, 0);
+      const int64_t bytes = std::min(B, end - ahead) * D * static_cast<int64_t>(sizeof(T));
+      prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
+      prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
+    }
     const float* k = as_float(key_cache + row, n * D, kbuf);
     const float* v = as_float(value_cache + row, n * D, vbuf);
     for (int64_t g0 = 0; g0 < group; g0 += kMaxTile) {  // one tile unless group > 8
@@ -269,9 +308,13 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     float* ep = exp_sum.data_ptr<float>();
     float* ap = acc.data_ptr<float>();
     const int64_t items = num_seqs * layout.num_kv_heads * num_parts;
-    at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    // Work items are handed out one at a time from a shared counter rather than in fixed
+    // slices: ragged sequences, and a core the OS takes away for a moment, then cost only
+    // one item of imbalance instead of a whole slice.
+    std::atomic<int64_t> next_item{0};
+    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       std::vector<float> scratch, m(group), l(group), a(group * D);
-      for (int64_t item = lo; item < hi; ++item) {
+      for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t p = item % num_parts;
         const int64_t kv_head = (item / num_parts) % layout.num_kv_heads;
         const int64_t s = item / (num_parts * layout.num_kv_heads);
