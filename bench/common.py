@@ -13,28 +13,38 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def median_seconds(fn, iters: int, warmup: int = 3, device: str = "cpu") -> float:
-    """Median wall time of ``fn()``; CUDA runs are timed with events and a cold L2 per run."""
-    for _ in range(warmup):
-        fn()
+def _time_once(fn, device: str, flush: torch.Tensor | None) -> float:
     if device == "cuda":
-        flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > H200's 50 MB L2
-        times = []
-        for _ in range(iters):
-            flush.zero_()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+        flush.zero_()  # cold L2 for every timed run
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu") -> dict:
+    """Median time of each function, timed in alternation (a, b, c, a, b, c, ...) so that a
+    busy moment on a shared machine lands on all of them alike; CUDA runs use events and a
+    cold L2 per run."""
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda") if device == "cuda" else None  # > 50 MB L2
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            times[name].append(_time_once(fn, device, flush))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def median_seconds(fn, iters: int, warmup: int = 3, device: str = "cpu") -> float:
+    """Median time of ``fn()`` alone (see interleaved_medians)."""
+    return interleaved_medians({"fn": fn}, iters, warmup, device)["fn"]
 
 
 def read_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, iters: int = 10) -> float:
