@@ -70,36 +70,15 @@ inline f32x16 exp16(f32x16 x) {
   return x <= lo ? f32x16{} : result;
 }
 
-// Rows of K/V are converted to float before the arithmetic: one cheap, vectorised pass
-// (bfloat16 is the top half of a float; float16 converts in hardware where F16C exists).
-template <typename T>
-void to_float(const T* src, int64_t n, float* dst);
-template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* src, int64_t n, float* dst) {
-  const auto* bits = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(bits + i), u32x16) << 16;
-    store(dst + i, reinterpret_cast<f32x16&>(wide));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+// 16 cache elements as floats, converted in registers (bfloat16 is the top half of a float;
+// float16 converts in hardware where F16C exists), so K/V are read once, straight from the cache.
+inline f32x16 load16(const float* p) { return load(p); }
+inline f32x16 load16(const c10::BFloat16* p) {
+  u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+  return reinterpret_cast<f32x16&>(wide);
 }
-template <>
-inline void to_float<c10::Half>(const c10::Half* src, int64_t n, float* dst) {
-  const auto* halves = reinterpret_cast<const _Float16*>(src);
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) store(dst + i, __builtin_convertvector(*reinterpret_cast<const f16x16*>(halves + i), f32x16));
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-inline const float* as_float(const T* src, int64_t n, float* buf) {
-  to_float(src, n, buf);
-  return buf;
-}
-template <>
-inline const float* as_float<float>(const float* src, int64_t, float*) {
-  return src;
+inline f32x16 load16(const c10::Half* p) {
+  return __builtin_convertvector(*reinterpret_cast<const f16x16*>(p), f32x16);
 }
 
 inline void prefetch(const char* p, int64_t bytes) {
@@ -117,28 +96,29 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 template <int GT>
 struct HeadTile {
   // scores[g * stride + t] = q[g] . k[t] for the n rows of k.
-  static void scores(const float* q, const float* k, int64_t n, int64_t D, float* scores, int64_t stride) {
+  template <typename T>
+  static void scores(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride) {
     // With the whole query tile in registers, a token costs D/16 loads instead of (1+GT)*D/16.
     if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride);
     if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride);
     if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride);
     const int64_t Dv = D / kW * kW;
     for (int64_t t = 0; t < n; ++t) {
-      const float* kt = k + t * D;
+      const T* kt = k + t * D;
       f32x16 acc[GT] = {};
       for (int64_t d = 0; d < Dv; d += kW) {
-        const f32x16 kv = load(kt + d);
+        const f32x16 kv = load16(kt + d);
         for (int g = 0; g < GT; ++g) acc[g] += load(q + g * D + d) * kv;
       }
       for (int g = 0; g < GT; ++g) {
         float s = hsum(acc[g]);
-        for (int64_t d = Dv; d < D; ++d) s += q[g * D + d] * kt[d];
+        for (int64_t d = Dv; d < D; ++d) s += q[g * D + d] * static_cast<float>(kt[d]);
         scores[g * stride + t] = s;
       }
     }
   }
-  template <int DV>  // DV = head_dim / 16
-  static void scores_fixed(const float* q, const float* k, int64_t n, float* scores, int64_t stride) {
+  template <int DV, typename T>  // DV = head_dim / 16
+  static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride) {
     constexpr int64_t D = DV * kW;
     f32x16 qv[GT][DV];
     for (int g = 0; g < GT; ++g)
@@ -147,7 +127,7 @@ struct HeadTile {
     for (; t + 2 <= n; t += 2) {  // two tokens at a time: independent FMA chains
       f32x16 a0[GT] = {}, a1[GT] = {};
       for (int c = 0; c < DV; ++c) {
-        const f32x16 k0 = load(k + t * D + c * kW), k1 = load(k + (t + 1) * D + c * kW);
+        const f32x16 k0 = load16(k + t * D + c * kW), k1 = load16(k + (t + 1) * D + c * kW);
         for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * k0, a1[g] += qv[g][c] * k1;
       }
       for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]), scores[g * stride + t + 1] = hsum(a1[g]);
@@ -155,29 +135,30 @@ struct HeadTile {
     for (; t < n; ++t) {
       f32x16 a0[GT] = {};
       for (int c = 0; c < DV; ++c)
-        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * load(k + t * D + c * kW);
+        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * load16(k + t * D + c * kW);
       for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]);
     }
   }
   // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
   // vectors so the GT x P accumulators stay in registers for the whole block.
-  static void accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D, float* acc) {
+  template <typename T>
+  static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc) {
     constexpr int P = GT >= 16 ? 1 : 16 / GT;
     int64_t d = 0;
     for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d);
     for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d);
     for (; d < D; ++d)
       for (int64_t t = 0; t < n; ++t)
-        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * v[t * D + d];
+        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * static_cast<float>(v[t * D + d]);
   }
-  template <int P>
-  static void panel(const float* p, int64_t stride, const float* v, int64_t n, int64_t D, float* acc, int64_t d) {
+  template <int P, typename T>
+  static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d) {
     f32x16 a[GT][P];
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) a[g][c] = load(acc + g * D + d + c * kW);
     for (int64_t t = 0; t < n; ++t) {
       f32x16 vv[P];
-      for (int c = 0; c < P; ++c) vv[c] = load(v + t * D + d + c * kW);
+      for (int c = 0; c < P; ++c) vv[c] = load16(v + t * D + d + c * kW);
       for (int g = 0; g < GT; ++g) {
         const float pg = p[g * stride + t];
         for (int c = 0; c < P; ++c) a[g][c] += pg * vv[c];
@@ -240,10 +221,8 @@ void decode_work_item(const float* q,  // [group, head_dim], already scaled
                       const int32_t* block_table, int64_t kv_head, int64_t begin, int64_t end,
                       int64_t group, Partial out, std::vector<float>& scratch) {
   const int64_t D = layout.head_dim, B = layout.block_size;
-  scratch.resize(2 * B * D + group * B);
-  float* kbuf = scratch.data();
-  float* vbuf = kbuf + B * D;
-  float* scores = vbuf + B * D;  // [group, B]
+  scratch.resize(group * B);
+  float* scores = scratch.data();  // [group, B]
   std::fill(out.max_score, out.max_score + group, -std::numeric_limits<float>::infinity());
   std::fill(out.exp_sum, out.exp_sum + group, 0.f);
   std::fill(out.acc, out.acc + group * D, 0.f);
@@ -261,8 +240,8 @@ void decode_work_item(const float* q,  // [group, head_dim], already scaled
       prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
       prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
     }
-    const float* k = as_float(key_cache + row, n * D, kbuf);
-    const float* v = as_float(value_cache + row, n * D, vbuf);
+    const T* k = key_cache + row;
+    const T* v = value_cache + row;
     for (int64_t g0 = 0; g0 < group; g0 += kMaxTile) {  // one tile unless group > 8
       const int64_t gt = std::min(kMaxTile, group - g0);
       with_tile(gt, [&](auto tile) { tile.scores(q + g0 * D, k, n, D, scores + g0 * B, B); });
