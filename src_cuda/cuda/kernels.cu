@@ -286,16 +286,21 @@ decode_kernel(const DecodeArgs a) {
   }
   __syncthreads();
 
-  for (int i = threadIdx.x; i < heads * HEAD_DIM; i += kThreads) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+  // g is a compile-time index here so run_max/run_sum stay in registers (no local memory).
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (g >= heads) break;
     const int64_t sh = static_cast<int64_t>(seq) * a.num_heads + head0 + g;
-    if (a.num_partitions == 1) {
-      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-      static_cast<T*>(a.out)[sh * HEAD_DIM + d] = Vec<T>::store1(out_acc[i] * inv);
-    } else {
-      const int64_t sp = sh * a.num_partitions + part;
-      a.partial_out[sp * HEAD_DIM + d] = out_acc[i];
-      if (d == 0) a.partial_max[sp] = run_max[g], a.partial_sum[sp] = run_sum[g];
+    for (int d = threadIdx.x; d < HEAD_DIM; d += kThreads) {
+      const float x = out_acc[g * HEAD_DIM + d];
+      if (a.num_partitions == 1) {
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+        static_cast<T*>(a.out)[sh * HEAD_DIM + d] = Vec<T>::store1(x * inv);
+      } else {
+        const int64_t sp = sh * a.num_partitions + part;
+        a.partial_out[sp * HEAD_DIM + d] = x;
+        if (d == 0) a.partial_max[sp] = run_max[g], a.partial_sum[sp] = run_sum[g];
+      }
     }
   }
 }
