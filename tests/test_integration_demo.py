@@ -1,0 +1,28 @@
+"""Smoke test of the main demo (``python -m minipaged_ops.demo``) on a short run."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("minipaged_ops.integration")
+
+from minipaged_ops import demo  # noqa: E402
+
+
+def test_demo_short_run(capsys, tmp_path):
+    plot = tmp_path / "usage.png"
+    rc = demo.main(["--batch", "3", "--max-new-tokens", "6", "--block-size", "8", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tokens equal: yes" in out
+    assert "KV memory held after generate" in out and "contiguous cache reserved" in out
+    assert "num_return_sequences=4" in out and "saves" in out
+    assert plot.stat().st_size > 0
+
+
+def test_demo_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        demo.main(["--help"])
+    assert info.value.code == 0
+    assert "--model" in capsys.readouterr().out
