@@ -229,6 +229,9 @@ def test_fallback_without_paged_cache_is_sdpa():
     assert torch.equal(generate(model, "minipaged", ids, mask, max_new_tokens=8, do_sample=False), ref)
     dyn = DynamicCache(config=model.config)
     assert torch.equal(generate(model, "minipaged", ids, mask, dyn, max_new_tokens=8, do_sample=False), ref)
+    static = generate(model, "minipaged", ids, mask, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, generate(model, "sdpa", ids, mask, max_new_tokens=8, do_sample=False,
+                                        cache_implementation="static"))
 
 
 def test_manual_decode_loop_with_plain_forward():
