@@ -111,7 +111,7 @@ def test_transformers_compiled_generate_path():
         graph_inputs.append(example_inputs)
         return gm.forward
 
-    config = CompileConfig(fullgraph=False, backend=recording_backend, mode=None)
+    config = CompileConfig(fullgraph=True, backend=recording_backend, mode=None)
     config._compile_all_devices = True  # transformers only auto-compiles on accelerators
     with torch.no_grad():
         out = model.generate(
