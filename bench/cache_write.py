@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, copy_bandwidth, machine_name, median_seconds, print_table  # noqa: E402
+from common import DTYPES, copy_bandwidth, interleaved_medians, machine_name, print_table  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,10 +79,10 @@ def measure(args, dtype_name: str, copy_bw: float) -> list[dict]:
     check_same(args, dtype)
     key, value, key_cache, value_cache, slot_mapping = make_write_problem(args, dtype)
     moved = 2 * 2 * key.numel() * key.element_size()  # (key + value) x (read + write)
-    run = lambda fn: median_seconds(lambda: fn(key, value, key_cache, value_cache, slot_mapping),
-                                    args.iters, device=args.device)
-    t_op = run(minipaged_ops.reshape_and_cache)
-    t_base = run(torch_write)
+    call = lambda fn: lambda: fn(key, value, key_cache, value_cache, slot_mapping)
+    t = interleaved_medians({"op": call(minipaged_ops.reshape_and_cache), "base": call(torch_write)},
+                            args.iters, device=args.device)
+    t_op, t_base = t["op"], t["base"]
     row = lambda kernel, t: dict(dtype=dtype_name, kernel=kernel, MiB_moved=f"{moved / 2**20:.0f}",
                                  us=f"{t * 1e6:.1f}", GBps=f"{moved / t / 1e9:.1f}",
                                  pct_copy_bw=f"{100 * moved / t / copy_bw:.0f}%", vs_baseline=f"{t_base / t:.2f}x")

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, copy_bandwidth, make_decode_problem, median_seconds, print_table  # noqa: E402
+from common import DTYPES, copy_bandwidth, interleaved_medians, make_decode_problem, print_table  # noqa: E402
 
 # (label, num_heads, num_kv_heads, head_dim, batch, seq_len)
 CASES = [
@@ -54,8 +54,8 @@ def main(argv=None) -> None:
         paged = lambda: minipaged_ops.paged_attention_decode(p.query, p.key_cache, p.value_cache, p.block_tables,
                                                              p.seq_lens, p.scale)
         err = (paged().float() - sdpa_flash(p).float()).abs().max().item()
-        t_paged = median_seconds(paged, args.iters, device="cuda")
-        t_sdpa = median_seconds(lambda: sdpa_flash(p), args.iters, device="cuda")
+        t = interleaved_medians({"paged": paged, "sdpa": lambda: sdpa_flash(p)}, args.iters, device="cuda")
+        t_paged, t_sdpa = t["paged"], t["sdpa"]
         rows.append(dict(
             model=label, batch=batch, seq_len=seq_len, MiB=f"{p.kv_bytes / 2**20:.0f}",
             paged_us=f"{t_paged * 1e6:.1f}", paged_GBps=f"{p.kv_bytes / t_paged / 1e9:.0f}",

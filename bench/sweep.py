@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import (DTYPES, copy_bandwidth, machine_name, make_decode_problem, median_seconds,  # noqa: E402
+from common import (DTYPES, copy_bandwidth, machine_name, make_decode_problem, interleaved_medians,  # noqa: E402
                     print_table, read_bandwidth, sdpa_decode)
 
 SWEEPS = {
@@ -113,15 +113,17 @@ def sdpa_baseline(args):
     return sdpa_decode
 
 
-def timed(fn, args, target_s: float) -> float:
-    """Median seconds of ``fn()``: at least --iters runs, more (up to 10x) while a point is fast."""
+def timed(fns: dict, args, target_s: float) -> dict:
+    """Median seconds of each function, timed in alternation: at least --iters runs, more (up to
+    10x) while a point is fast."""
     t0 = time.perf_counter()
-    fn()
+    for fn in fns.values():
+        fn()
     if args.device == "cuda":
         torch.cuda.synchronize()
     estimate = max(time.perf_counter() - t0, 1e-6)
     iters = max(args.iters, min(10 * args.iters, int(target_s / estimate)))
-    return median_seconds(fn, iters, warmup=1 if args.quick else 3, device=args.device)
+    return interleaved_medians(fns, iters, warmup=1 if args.quick else 3, device=args.device)
 
 
 def measure_point(args, point, roof: float) -> dict:
@@ -134,8 +136,8 @@ def measure_point(args, point, roof: float) -> dict:
     sdpa = sdpa_baseline(args)
     max_err = (paged().float() - sdpa(p).float()).abs().max().item()
     target_s = 0.1 if args.quick else 0.5
-    paged_s = timed(paged, args, target_s)
-    sdpa_s = timed(lambda: sdpa(p), args, target_s)
+    t = timed({"paged": paged, "sdpa": lambda: sdpa(p)}, args, target_s)
+    paged_s, sdpa_s = t["paged"], t["sdpa"]
     n = p.kv_bytes
     return dict(sweep=sweep, batch=batch, seq_len=seq_len, block_size=block_size, kv_bytes=n,
                 paged_s=paged_s, sdpa_s=sdpa_s, paged_GBps=n / paged_s / 1e9, sdpa_GBps=n / sdpa_s / 1e9,
