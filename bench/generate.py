@@ -122,11 +122,21 @@ def run_row(model, kind, compiled, args, ids, mask, device):
                 print(f"    ({kind} compiled: first generate incl. compilation {seconds:.1f} s)", file=sys.stderr)
                 continue
             best = min(best, seconds)
+        # the prefill alone (one new token), to split the time into prefill and decode
+        kwargs = dict(gen, max_new_tokens=1)
+        if kind == "paged":
+            kwargs["past_key_values"] = PagedKVCache(model.config, num_blocks, args.block_size)
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, **kwargs)
+        sync(device)
+        prefill = time.perf_counter() - start
     finally:
         if compiled:
             model.forward = original
             torch._dynamo.reset()
-    return best, out, cache
+    return best, prefill, out, cache
 
 
 def main(argv=None) -> int:
@@ -154,8 +164,9 @@ def main(argv=None) -> int:
     for compiled in modes:
         for kind in rows:
             print(f"  running {labels[kind]} {'compiled' if compiled else 'eager'} ...", file=sys.stderr)
-            seconds, out, cache = run_row(model, kind, compiled, args, ids, mask, device)
+            seconds, prefill, out, cache = run_row(model, kind, compiled, args, ids, mask, device)
             results[kind, compiled] = seconds
+            results["prefill", kind, compiled] = prefill
             outputs[kind, compiled] = out
             if cache is not None:
                 u = cache.usage()
@@ -164,14 +175,19 @@ def main(argv=None) -> int:
     tokens = args.batch * args.new
     base = results.get(("dynamic", False))
     print()
-    print(f"{'':28}{'mode':>10}{'seconds':>10}{'tokens/s':>11}{'vs dynamic eager':>18}{'same tokens':>13}")
+    print(f"{'':28}{'mode':>10}{'seconds':>10}{'tokens/s':>11}{'vs dynamic eager':>18}"
+          f"{'prefill s':>11}{'decode tok/s':>14}{'same tokens':>13}")
     ref = outputs.get(("dynamic", False), next(iter(outputs.values())))
+    decode_tokens = args.batch * (args.new - 1)
     for compiled in modes:
         for kind in rows:
             s = results[kind, compiled]
+            prefill = results["prefill", kind, compiled]
             ratio = f"{base / s:.2f}x" if base else "-"
+            decode = f"{decode_tokens / (s - prefill):.1f}" if s > prefill else "-"
             same = "yes" if torch.equal(outputs[kind, compiled], ref) else "NO"
-            print(f"{labels[kind]:28}{'compiled' if compiled else 'eager':>10}{s:>10.2f}{tokens / s:>11.1f}{ratio:>18}{same:>13}")
+            print(f"{labels[kind]:28}{'compiled' if compiled else 'eager':>10}{s:>10.2f}{tokens / s:>11.1f}{ratio:>18}"
+                  f"{prefill:>11.2f}{decode:>14}{same:>13}")
     for compiled in modes:
         if ("paged", compiled) in results and ("static", compiled) in results:
             mode = "compiled" if compiled else "eager"
