@@ -172,22 +172,29 @@ decode_kernel(const DecodeArgs a) {
     return a.layout.valid_block(block) ? a.layout.row(block, kv_head, t % B) : -1;
   };
 
+  // This lane's 16-byte pieces of the rows of kUnroll tokens, all loads issued before any use;
+  // live[u] is false (and the data zero) past the chunk or for an out-of-range block.
+  auto load_rows = [&](const T* cache, int base, int chunk_end, uint4(&raw)[kUnroll][R::kVecsPerLane],
+                       bool(&live)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * R::kTokensPerPass + token_in_warp;
+      const int64_t row = t < chunk_end ? row_of(t) : -1;
+      live[u] = row >= 0;
+#pragma unroll
+      for (int v = 0; v < R::kVecsPerLane; ++v)
+        raw[u][v] = live[u] ? *reinterpret_cast<const uint4*>(cache + row + R::elem(v, lane_in_token))
+                            : make_uint4(0, 0, 0, 0);
+    }
+  };
+
   for (int chunk = begin; chunk < end; chunk += kChunk) {
     const int chunk_end = min(end, chunk + kChunk);
     // Pass 1: scores of the chunk's tokens for every head of the tile.
     for (int base = chunk + warp * R::kTokensPerWarp; base < chunk_end; base += R::kTokensPerPass * kUnroll) {
       uint4 raw[kUnroll][R::kVecsPerLane];
       bool live[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = base + u * R::kTokensPerPass + token_in_warp;
-        const int64_t row = t < chunk_end ? row_of(t) : -1;
-        live[u] = row >= 0;
-#pragma unroll
-        for (int v = 0; v < R::kVecsPerLane; ++v)
-          raw[u][v] = live[u] ? *reinterpret_cast<const uint4*>(key_cache + row + R::elem(v, lane_in_token))
-                              : make_uint4(0, 0, 0, 0);
-      }
+      load_rows(key_cache, base, chunk_end, raw, live);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float k[R::kElemsPerLane];
@@ -237,16 +244,7 @@ decode_kernel(const DecodeArgs a) {
     for (int base = chunk + warp * R::kTokensPerWarp; base < chunk_end; base += R::kTokensPerPass * kUnroll) {
       uint4 raw[kUnroll][R::kVecsPerLane];
       bool live[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = base + u * R::kTokensPerPass + token_in_warp;
-        const int64_t row = t < chunk_end ? row_of(t) : -1;
-        live[u] = row >= 0;
-#pragma unroll
-        for (int v = 0; v < R::kVecsPerLane; ++v)
-          raw[u][v] = live[u] ? *reinterpret_cast<const uint4*>(value_cache + row + R::elem(v, lane_in_token))
-                              : make_uint4(0, 0, 0, 0);
-      }
+      load_rows(value_cache, base, chunk_end, raw, live);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (!live[u]) continue;
