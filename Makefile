@@ -7,7 +7,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # pip resolves torch to the CUDA build, which also runs on CPU-only machines.
 DEPS   := "torch>=2.11" "transformers>=5.17,<6" "scikit-build-core>=0.10" "cmake>=3.27" ninja numpy \
           pytest hypothesis expecttest tqdm matplotlib
-# transformers' oldest supported release, installed beside the newest for the integration tests.
+# transformers' oldest supported release (with the dependency versions it resolves), installed
+# beside the newest in a folder that goes first on PYTHONPATH, for a second integration run.
 TF_OLDEST     := 5.17.0
 TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 SOURCES := $(shell find src_cuda -type f) CMakeLists.txt pyproject.toml
@@ -20,6 +21,7 @@ demo: build
 test: build $(TF_OLDEST_DIR)/.stamp
 	$(PY) -m pytest tests
 	@echo "--- integration tests again on transformers $(TF_OLDEST)"
+	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_OLDEST)', t.__version__"
 	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k integration -p no:cacheprovider
 
 setup: $(VENV)/.deps-stamp
@@ -37,7 +39,8 @@ $(VENV)/.build-stamp: $(VENV)/.deps-stamp $(SOURCES)
 	touch $@
 
 $(TF_OLDEST_DIR)/.stamp: $(VENV)/.deps-stamp
-	$(PIP) install --no-deps --target $(TF_OLDEST_DIR) transformers==$(TF_OLDEST)
+	rm -rf $(TF_OLDEST_DIR)
+	$(PIP) install --target $(TF_OLDEST_DIR) transformers==$(TF_OLDEST)
 	touch $@
 
 bench: build
