@@ -11,7 +11,8 @@ DEPS   := "torch>=2.11" "transformers>=5.17,<6" "scikit-build-core>=0.10" "cmake
 # beside the newest in a folder that goes first on PYTHONPATH, for a second integration run.
 TF_OLDEST     := 5.17.0
 TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
-SOURCES := $(shell find src_cuda -type f) CMakeLists.txt pyproject.toml
+# Python files too: an editable install maps the package's files when it is made.
+SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
 .PHONY: demo test test-ops setup build bench clean
 

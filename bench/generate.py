@@ -142,9 +142,7 @@ def run_row(model, kind, compiled, args, ids, mask, device):
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*compiled ops unavailable.*")
     import minipaged_ops.integration  # noqa: F401
-    from minipaged_ops.integration import _kernels
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -152,8 +150,7 @@ def main(argv=None) -> int:
     ids, mask = make_inputs(args, device)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"Qwen3-0.6B-shaped random model: {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} "
-          f"heads, head_dim {args.head_dim}, vocab {args.vocab} ({params:.0f}M params), {str(dtype)[6:]} on {device}"
-          f"{'' if _kernels.COMPILED else ' [reference ops]'}")
+          f"heads, head_dim {args.head_dim}, vocab {args.vocab} ({params:.0f}M params), {str(dtype)[6:]} on {device}")
     print(f"batch {args.batch}, prompt {args.prompt}{' (ragged)' if args.ragged else ''}, {args.new} new tokens, "
           f"greedy; best of {args.repeats}; torch {torch.__version__}, {torch.get_num_threads()} threads")
 

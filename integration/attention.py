@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat, _kernels
+import minipaged_ops
+
+from . import _compat
 
 
 def minipaged_attention_forward(
@@ -32,7 +34,7 @@ def minipaged_attention_forward(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = _kernels.paged_attention_decode(
+    out = minipaged_ops.paged_attention_decode(
         query[:, :, 0, :],
         key,  # the layer's key pool, returned by PagedKVCache.update
         value,

@@ -26,9 +26,10 @@ from collections import Counter
 
 import torch
 
+import minipaged_ops
 from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
-from . import _compat, _kernels
+from . import _compat
 
 ATTN_IMPLEMENTATION = "minipaged"
 
@@ -224,7 +225,7 @@ class PagedKVCache(_compat.Cache):
             )
         key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
         b, h, q, d = key_states.shape
-        _kernels.reshape_and_cache(
+        minipaged_ops.reshape_and_cache(
             key_states.transpose(1, 2).reshape(b * q, h, d),
             value_states.transpose(1, 2).reshape(b * q, h, d),
             key_cache,
@@ -519,7 +520,7 @@ class PagedKVCache(_compat.Cache):
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64).to(device)
             for k, v in zip(self.key_cache, self.value_cache):
-                _kernels.copy_blocks(k, v, mapping)
+                minipaged_ops.copy_blocks(k, v, mapping)
 
     def _autoattach(self) -> None:
         """Attach to the live top-level model(s) built from this cache's config, if any."""

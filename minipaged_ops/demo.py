@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     import minipaged_ops.integration  # noqa: F401  (registers "minipaged")
-    from minipaged_ops.integration import PagedKVCache, _kernels
+    from minipaged_ops.integration import PagedKVCache
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -159,8 +159,7 @@ def main(argv=None) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     what = args.model or "tiny random Qwen3 (built offline)"
     print(f"model: {what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / "
-          f"{cfg.num_key_value_heads} KV heads, head_dim {head_dim}; {str(dtype).removeprefix('torch.')} on {device}; "
-          f"ops: {'compiled' if _kernels.COMPILED else 'pure-PyTorch reference'}")
+          f"{cfg.num_key_value_heads} KV heads, head_dim {head_dim}; {str(dtype).removeprefix('torch.')} on {device}")
     print(f"ragged batch: {len(lengths)} prompts of {'/'.join(map(str, lengths))} tokens, left-padded to "
           f"{ids.shape[1]}; {new} new tokens each, greedy")
 
