@@ -210,44 +210,50 @@ inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum
 // Running softmax state of one work item: per query head of the group, the max score seen,
 // the sum of exp(score - max), and the exp-weighted sum of V rows.
 struct Partial {
-  float* max_score;  // [group]
-  float* exp_sum;    // [group]
-  float* acc;        // [group, head_dim]
+  float* max_score;  // [num_heads]
+  float* exp_sum;    // [num_heads]
+  float* acc;        // [num_heads, head_dim]
 };
 
+// One sequence, tokens [begin, end), every kv head. Heads are the inner loop so that each block
+// is read front to back: its K rows for all heads are one contiguous run, and so are its V
+// rows. Scattered 8 KB pieces (one head of one block) are much slower to stream from memory.
 template <typename T>
-void decode_work_item(const float* q,  // [group, head_dim], already scaled
+void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
                       const T* key_cache, const T* value_cache, const CacheLayout& layout,
-                      const int32_t* block_table, int64_t kv_head, int64_t begin, int64_t end,
-                      int64_t group, Partial out, std::vector<float>& scratch) {
-  const int64_t D = layout.head_dim, B = layout.block_size;
+                      const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
+                      std::vector<float>& scratch) {
+  const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
   scratch.resize(group * B);
   float* scores = scratch.data();  // [group, B]
-  std::fill(out.max_score, out.max_score + group, -std::numeric_limits<float>::infinity());
-  std::fill(out.exp_sum, out.exp_sum + group, 0.f);
-  std::fill(out.acc, out.acc + group * D, 0.f);
+  std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
+  std::fill(out.exp_sum, out.exp_sum + num_heads, 0.f);
+  std::fill(out.acc, out.acc + num_heads * D, 0.f);
 
   for (int64_t pos = begin; pos < end;) {
     const int64_t block = block_table[pos / B];
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
-    const int64_t row = layout.row(block, kv_head, first);
     if (const int64_t ahead = pos - first + B; ahead < end) {
-      // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
-      // cannot find the next one: ask for it while this one is computed.
-      const int64_t next = layout.row(block_table[ahead / B], kv_head, 0);
-      const int64_t bytes = std::min(B, end - ahead) * D * static_cast<int64_t>(sizeof(T));
+      // Blocks are scattered, so the hardware prefetcher cannot find the next one: ask for it
+      // while this one is computed.
+      const int64_t next = layout.row(block_table[ahead / B], 0, 0);
+      const int64_t bytes = layout.block_elems() * static_cast<int64_t>(sizeof(T));
       prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
       prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
     }
-    const T* k = key_cache + row;
-    const T* v = value_cache + row;
-    for (int64_t g0 = 0; g0 < group; g0 += kMaxTile) {  // one tile unless group > 8
-      const int64_t gt = std::min(kMaxTile, group - g0);
-      with_tile(gt, [&](auto tile) { tile.scores(q + g0 * D, k, n, D, scores + g0 * B, B); });
-      for (int64_t g = g0; g < g0 + gt; ++g)
-        softmax_update(scores + g * B, n, out.max_score[g], out.exp_sum[g], out.acc + g * D, D);
-      with_tile(gt, [&](auto tile) { tile.accumulate(scores + g0 * B, B, v, n, D, out.acc + g0 * D); });
+    for (int64_t kv_head = 0; kv_head < layout.num_kv_heads; ++kv_head) {
+      const int64_t row = layout.row(block, kv_head, first);
+      const T* k = key_cache + row;
+      const T* v = value_cache + row;
+      const int64_t h0 = kv_head * group;
+      for (int64_t g0 = h0; g0 < h0 + group; g0 += kMaxTile) {  // one tile unless group > 8
+        const int64_t gt = std::min(kMaxTile, h0 + group - g0);
+        with_tile(gt, [&](auto tile) { tile.scores(q + g0 * D, k, n, D, scores, B); });
+        for (int64_t g = 0; g < gt; ++g)
+          softmax_update(scores + g * B, n, out.max_score[g0 + g], out.exp_sum[g0 + g], out.acc + (g0 + g) * D, D);
+        with_tile(gt, [&](auto tile) { tile.accumulate(scores, B, v, n, D, out.acc + g0 * D); });
+      }
     }
     pos += n;
   }
@@ -269,8 +275,12 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     TORCH_CHECK_VALUE(longest <= *max_seq_len, "max_seq_len: ", *max_seq_len,
                       " is smaller than the longest sequence in seq_lens (", longest, ")");
 
-  // Partitions are whole blocks so a work item never splits a block.
-  const int64_t part = std::max<int64_t>(1, kPartitionTokens / layout.block_size) * layout.block_size;
+  // Work items are (sequence, partition of whole blocks). Partitions are at most 512 tokens,
+  // and shorter when there are too few items to keep every thread busy.
+  const int64_t B = layout.block_size;
+  const int64_t wanted_parts = (4 * at::get_num_threads() + num_seqs - 1) / std::max<int64_t>(num_seqs, 1);
+  const int64_t part_cap = std::max<int64_t>(1, kPartitionTokens / B) * B;
+  const int64_t part = std::clamp<int64_t>((longest / std::max<int64_t>(wanted_parts, 1) + B - 1) / B * B, B, part_cap);
   const int64_t num_parts = std::max<int64_t>(1, (longest + part - 1) / part);
   const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
   const at::Tensor tables = block_tables.contiguous();
@@ -286,28 +296,25 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     float* mp = max_score.data_ptr<float>();
     float* ep = exp_sum.data_ptr<float>();
     float* ap = acc.data_ptr<float>();
-    const int64_t items = num_seqs * layout.num_kv_heads * num_parts;
+    const int64_t items = num_seqs * num_parts;
     // Work items are handed out one at a time from a shared counter rather than in fixed
     // slices: ragged sequences, and a core the OS takes away for a moment, then cost only
     // one item of imbalance instead of a whole slice.
     std::atomic<int64_t> next_item{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch, m(group), l(group), a(group * D);
+      std::vector<float> scratch, m(num_heads), l(num_heads), a(num_heads * D);
       for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
-        const int64_t p = item % num_parts;
-        const int64_t kv_head = (item / num_parts) % layout.num_kv_heads;
-        const int64_t s = item / (num_parts * layout.num_kv_heads);
+        const int64_t s = item / num_parts, p = item % num_parts;
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);
-        const int64_t h0 = kv_head * group;
         if (begin < end)
-          decode_work_item<scalar_t>(qp + (s * num_heads + h0) * D, kc, vc, layout,
-                                     tables.const_data_ptr<int32_t>() + s * tables.size(1), kv_head,
-                                     begin, end, group, Partial{m.data(), l.data(), a.data()}, scratch);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t idx = (s * num_heads + h0 + g) * num_parts + p;
-          mp[idx] = begin < end ? m[g] : -std::numeric_limits<float>::infinity();
-          ep[idx] = begin < end ? l[g] : 0.f;
-          if (begin < end) std::memcpy(ap + idx * D, a.data() + g * D, D * sizeof(float));
+          decode_work_item<scalar_t>(qp + s * num_heads * D, kc, vc, layout,
+                                     tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end, group,
+                                     Partial{m.data(), l.data(), a.data()}, scratch);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const int64_t idx = (s * num_heads + h) * num_parts + p;
+          mp[idx] = begin < end ? m[h] : -std::numeric_limits<float>::infinity();
+          ep[idx] = begin < end ? l[h] : 0.f;
+          if (begin < end) std::memcpy(ap + idx * D, a.data() + h * D, D * sizeof(float));
         }
       }
     });
