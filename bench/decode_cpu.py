@@ -5,7 +5,7 @@ tokens, float32, block 16, shuffled blocks. Everything is measured in one proces
 and printed as ratios; absolute times on a shared machine are only indicative.
 
     python bench/decode_cpu.py                       # the headline case
-    python bench/decode_cpu.py --dtype bfloat16
+    python bench/decode_cpu.py --dtype float32,bfloat16   # per-byte comparison in one run
     python bench/decode_cpu.py --batch 1 --seq-len 32768
 """
 
@@ -30,27 +30,42 @@ def main(argv=None) -> None:
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--dtype", default="float32",
+                    help="one or more of " + ", ".join(DTYPES) + ", comma separated (all timed in one run)")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
+    dtypes = args.dtype.split(",")
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")
 
-    p = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
-                            args.block_size, DTYPES[args.dtype])
-    paged = lambda: minipaged_ops.paged_attention_decode(p.query, p.key_cache, p.value_cache, p.block_tables,
-                                                         p.seq_lens, p.scale)
-    err = (paged().double() - sdpa_decode(p).double()).abs().max().item()
-    # The read roof: a sum over as many bytes as K and V hold, timed in the same alternation.
-    roof_buf = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
-    t = interleaved_medians({"paged": paged, "sdpa": lambda: sdpa_decode(p), "sum": roof_buf.sum}, args.iters)
-    read_bw = p.kv_bytes / t["sum"]
+    problems = {d: make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
+                                       args.block_size, DTYPES[d]) for d in dtypes}
+    fns, errors = {}, {}
+    for d, p in problems.items():
+        fns["paged", d] = lambda p=p: minipaged_ops.paged_attention_decode(
+            p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale)
+        fns["sdpa", d] = lambda p=p: sdpa_decode(p)
+        errors[d] = (fns["paged", d]().double() - fns["sdpa", d]().double()).abs().max().item()
+    # The read roof: a large sum over as many bytes as the biggest K+V, timed in the same alternation.
+    roof_bytes = max(p.kv_bytes for p in problems.values())
+    roof_buf = torch.ones(roof_bytes // 4, dtype=torch.float32)
+    fns["sum", None] = roof_buf.sum
+    t = interleaved_medians(fns, args.iters)
+    read_bw = roof_bytes / t["sum", None]
     print(f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
-          f"{args.head_dim}, {args.dtype}, block {args.block_size}; K+V {p.kv_bytes / 2**20:.0f} MiB; "
-          f"{torch.get_num_threads()} threads; max |paged - sdpa| = {err:.2e}")
-    print(f"read bandwidth (sum over {p.kv_bytes / 2**20:.0f} MiB, timed alongside): {read_bw / 1e9:.1f} GB/s")
-    rows = [dict(kernel=name, ms=f"{t[key] * 1e3:.3f}", GBps=f"{p.kv_bytes / t[key] / 1e9:.1f}",
-                 pct_read_bw=f"{100 * t['sum'] / t[key]:.0f}%", speedup_vs_sdpa=f"{t['sdpa'] / t[key]:.2f}x")
-            for name, key in (("minipaged paged", "paged"), ("sdpa contiguous", "sdpa"))]
-    print_table(rows, ["kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"])
+          f"{args.head_dim}, block {args.block_size}, shuffled blocks; {torch.get_num_threads()} threads; "
+          + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"
+                      for d, p in problems.items()))
+    print(f"read bandwidth (sum over {roof_bytes / 2**20:.0f} MiB, timed alongside): {read_bw / 1e9:.1f} GB/s")
+    rows = []
+    for d, p in problems.items():
+        for name, kind in (("minipaged paged", "paged"), ("sdpa contiguous", "sdpa")):
+            sec = t[kind, d]
+            rows.append(dict(dtype=d, kernel=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
+                             pct_read_bw=f"{100 * p.kv_bytes / sec / read_bw:.0f}%",
+                             speedup_vs_sdpa=f"{t['sdpa', d] / sec:.2f}x"))
+    print_table(rows, ["dtype", "kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"])
+
 
 if __name__ == "__main__":
     main()
