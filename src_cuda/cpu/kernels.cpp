@@ -368,15 +368,21 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t D = layout.head_dim;
   MINIPAGED_DISPATCH(key.scalar_type(), "reshape_and_cache_cpu", [&] {
-    auto write = [&](const at::Tensor& src, scalar_t* dst_base, int64_t i) {
-      const scalar_t* s = src.const_data_ptr<scalar_t>();
+    // One token's rows for every kv head; pointers and strides are read once, outside the loop.
+    struct Source {
+      const scalar_t* data;
+      int64_t token_stride, head_stride, dim_stride;
+    };
+    const Source sources[2] = {{key.const_data_ptr<scalar_t>(), key.stride(0), key.stride(1), key.stride(2)},
+                               {value.const_data_ptr<scalar_t>(), value.stride(0), value.stride(1), value.stride(2)}};
+    auto write = [&](const Source& src, scalar_t* dst_base, int64_t i) {
       for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
-        const scalar_t* from = s + i * src.stride(0) + h * src.stride(1);
+        const scalar_t* from = src.data + i * src.token_stride + h * src.head_stride;
         scalar_t* to = dst_base + layout.slot_row(sp[i], h);
-        if (src.stride(2) == 1) {
+        if (src.dim_stride == 1) {
           std::memcpy(to, from, D * sizeof(scalar_t));
         } else {
-          for (int64_t d = 0; d < D; ++d) to[d] = from[d * src.stride(2)];
+          for (int64_t d = 0; d < D; ++d) to[d] = from[d * src.dim_stride];
         }
       }
     };
@@ -385,8 +391,8 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
     at::parallel_for(0, key.size(0), 64, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         if (sp[i] < 0) continue;
-        write(key, kc, i);
-        write(value, vc, i);
+        write(sources[0], kc, i);
+        write(sources[1], vc, i);
       }
     });
   });
