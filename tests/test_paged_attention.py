@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def check(case, scale, dtype, max_seq_len=None):
 def test_grid(dtype, heads, head_dim, block_size, device):
     # Ragged lengths: empty, one token, exact block multiples, and one past a multiple.
     seq_lens = [0, 1, block_size, 3 * block_size, 3 * block_size + 1, 77]
-    seed = hash((str(dtype), heads, head_dim, block_size)) % 2**31
+    seed = zlib.crc32(repr((dtype, heads, head_dim, block_size)).encode())  # stable across runs
     case = make_paged_case(seq_lens, *heads, head_dim, block_size, dtype, device, seed=seed)
     out = check(case, head_dim**-0.5, dtype)
     assert (out[0] == 0).all(), "seq_len == 0 must give a zero row"
