@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cache_layout.h"
@@ -157,6 +158,23 @@ struct HeadTile {
       for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]);
     }
   }
+#if defined(__AVX512BF16__)
+  // bfloat16 Q.K with the hardware's bf16 pair dot product (products exact, float32 sums): the
+  // query stays in bfloat16 (it is bfloat16 already) and the scale is applied to the scores.
+  static void scores_bf16(const c10::BFloat16* q, float scale, const c10::BFloat16* k, int64_t n, int64_t D,
+                          float* scores, int64_t stride) {
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 acc[GT];
+      for (int g = 0; g < GT; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + t * D + d);
+        for (int g = 0; g < GT; ++g)
+          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q + g * D + d), kv);
+      }
+      for (int g = 0; g < GT; ++g) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+  }
+#endif
   // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
   // vectors so the GT x P accumulators stay in registers for the whole block.
   template <typename T>
@@ -238,6 +256,7 @@ struct Partial {
 // rows. Scattered 8 KB pieces (one head of one block) are much slower to stream from memory.
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
+                      const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
                       const T* key_cache, const T* value_cache, const CacheLayout& layout,
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
                       std::vector<float>& scratch) {
@@ -267,7 +286,13 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       const int64_t h0 = kv_head * group;
       for (int64_t g0 = h0; g0 < h0 + group; g0 += kMaxTile) {  // one tile unless group > 8
         const int64_t gt = std::min(kMaxTile, h0 + group - g0);
-        with_tile(gt, [&](auto tile) { tile.scores(q + g0 * D, k, n, D, scores, B); });
+        with_tile(gt, [&](auto tile) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (D % 32 == 0) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores, B);
+#endif
+          tile.scores(q + g0 * D, k, n, D, scores, B);
+        });
         for (int64_t g = 0; g < gt; ++g)
           softmax_update(scores + g * B, n, out.max_score[g0 + g], out.exp_sum[g0 + g], out.acc + (g0 + g) * D, D);
         with_tile(gt, [&](auto tile) { tile.accumulate(scores, B, v, n, D, out.acc + g0 * D); });
@@ -301,6 +326,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   const int64_t part = std::clamp<int64_t>((longest / std::max<int64_t>(wanted_parts, 1) + B - 1) / B * B, B, part_cap);
   const int64_t num_parts = std::max<int64_t>(1, (longest + part - 1) / part);
   const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
+  const at::Tensor q_raw = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   at::Tensor max_score = at::empty({num_seqs, num_heads, num_parts}, query.options().dtype(at::kFloat));
   at::Tensor exp_sum = at::zeros_like(max_score);
@@ -325,7 +351,8 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
         const int64_t s = item / num_parts, p = item % num_parts;
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);
         if (begin < end)
-          decode_work_item<scalar_t>(qp + s * num_heads * D, kc, vc, layout,
+          decode_work_item<scalar_t>(qp + s * num_heads * D, q_raw.const_data_ptr<scalar_t>() + s * num_heads * D,
+                                     static_cast<float>(scale), kc, vc, layout,
                                      tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end, group,
                                      Partial{m.data(), l.data(), a.data()}, scratch);
         for (int64_t h = 0; h < num_heads; ++h) {
