@@ -100,6 +100,18 @@ inline f32x16 load16(const c10::Half* p) {
 #endif
 }
 
+// A 32-float chunk accumulated by HeadTile::accumulate_bf16 holds, in its first 16 floats,
+// elements 8L + j and in its last 16, elements 8L + 4 + j (at 4L + j, for L, j < 4): the
+// 128-bit-lane interleave of unpacklo/hi. This puts a row of n such chunks back in order.
+inline void from_unpack_order(float* row, int64_t n) {
+  float tmp[32];
+  for (int64_t b = 0; b < n; b += 32) {
+    for (int L = 0; L < 4; ++L)
+      for (int j = 0; j < 4; ++j) tmp[8 * L + j] = row[b + 4 * L + j], tmp[8 * L + 4 + j] = row[b + 16 + 4 * L + j];
+    std::memcpy(row + b, tmp, sizeof(tmp));
+  }
+}
+
 inline void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
@@ -172,6 +184,37 @@ struct HeadTile {
           acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q + g * D + d), kv);
       }
       for (int g = 0; g < GT; ++g) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+  }
+  // acc[g] += sum_t p[g][t] * v[t] with the same pair dot product, two tokens per instruction:
+  // rows t and t+1 are interleaved (unpacklo/hi), so the accumulators hold each 32-element chunk
+  // in "unpack order" (see from_unpack_order). The probabilities are rounded to bfloat16 for this
+  // product, as FlashAttention does for P.V; the softmax itself stays float32. n <= 256.
+  static void accumulate_bf16(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D,
+                              float* acc) {
+    constexpr int64_t kMaxPairs = 128;
+    const int64_t pairs = (n + 1) / 2;
+    uint32_t packed[GT][kMaxPairs];  // (p[t], p[t+1]) as a bfloat16 pair
+    for (int g = 0; g < GT; ++g)
+      for (int64_t i = 0; i < pairs; ++i) {
+        const uint32_t lo = c10::BFloat16(p[g * stride + 2 * i]).x;
+        const uint32_t hi = 2 * i + 1 < n ? c10::BFloat16(p[g * stride + 2 * i + 1]).x : 0;
+        packed[g][i] = lo | (hi << 16);
+      }
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512 lo_acc[GT], hi_acc[GT];
+      for (int g = 0; g < GT; ++g) lo_acc[g] = _mm512_loadu_ps(acc + g * D + d), hi_acc[g] = _mm512_loadu_ps(acc + g * D + d + 16);
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + d);
+        const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + d) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GT; ++g) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+          lo_acc[g] = _mm512_dpbf16_ps(lo_acc[g], lo, pp);
+          hi_acc[g] = _mm512_dpbf16_ps(hi_acc[g], hi, pp);
+        }
+      }
+      for (int g = 0; g < GT; ++g) _mm512_storeu_ps(acc + g * D + d, lo_acc[g]), _mm512_storeu_ps(acc + g * D + d + 16, hi_acc[g]);
     }
   }
 #endif
@@ -261,6 +304,11 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
                       std::vector<float>& scratch) {
   const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
+#if defined(__AVX512BF16__)
+  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256;
+#else
+  const bool bf16_dot = false;
+#endif
   scratch.resize(group * B);
   float* scores = scratch.data();  // [group, B]
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
@@ -289,17 +337,25 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
-            if (D % 32 == 0) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores, B);
+            if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores, B);
 #endif
           tile.scores(q + g0 * D, k, n, D, scores, B);
         });
         for (int64_t g = 0; g < gt; ++g)
           softmax_update(scores + g * B, n, out.max_score[g0 + g], out.exp_sum[g0 + g], out.acc + (g0 + g) * D, D);
-        with_tile(gt, [&](auto tile) { tile.accumulate(scores, B, v, n, D, out.acc + g0 * D); });
+        with_tile(gt, [&](auto tile) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (bf16_dot) return tile.accumulate_bf16(scores, B, v, n, D, out.acc + g0 * D);
+#endif
+          tile.accumulate(scores, B, v, n, D, out.acc + g0 * D);
+        });
       }
     }
     pos += n;
   }
+  if (bf16_dot)
+    for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 }
 
 at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
