@@ -1,6 +1,7 @@
 // CPU kernels. Decode attention is memory-bound, so the plan is to read every K/V byte once:
-// work items are (sequence, kv head, partition of the context), all query heads of a GQA group
-// are handled together, and a softmax that is online across blocks keeps one pass over K/V.
+// work items are (sequence, partition of the context) and walk each block front to back over
+// its kv heads, all query heads of a GQA group are handled together, and a softmax that is
+// online across blocks keeps one pass over K/V.
 // Partitions let a single long sequence use every core; their partial results are merged
 // afterwards with the usual (max, sum) rescaling.
 #include <ATen/ATen.h>
@@ -33,10 +34,11 @@ namespace {
                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)          \
                              AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-constexpr int64_t kPartitionTokens = 512;  // tokens per work item along the context
+constexpr int64_t kPartitionTokens = 512;  // most tokens per work item along the context
 
 // 16-float vectors through GCC/Clang vector extensions: the compiler maps them onto AVX-512,
-// AVX2 or NEON registers, so one source serves every CPU without intrinsics.
+// AVX2 or NEON registers, so one source serves every CPU. Intrinsics appear only where the
+// compiler's own lowering is slow (float16 conversion) or for AVX512-BF16 dot products.
 constexpr int64_t kW = 16;
 using f32x16 = float __attribute__((vector_size(64), aligned(4)));
 using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
