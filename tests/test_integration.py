@@ -2,7 +2,7 @@
 
 Tiny random Qwen3 models built offline (float32, seeded, weights scaled up so that greedy
 choices are not near-ties). Runs on the CPU kernels; also under transformers 5.17 via
-``PYTHONPATH=.venv/tf517``.
+``make test`` (``PYTHONPATH=.venv/transformers-5.17.0``).
 """
 
 from __future__ import annotations
