@@ -288,7 +288,7 @@ inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum
     for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
 }
 
-// Running softmax state of one work item: per query head of the group, the max score seen,
+// Running softmax state of one work item: per query head of the sequence, the max score seen,
 // the sum of exp(score - max), and the exp-weighted sum of V rows.
 struct Partial {
   float* max_score;  // [num_heads]
