@@ -33,7 +33,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32",
                     help="one or more of " + ", ".join(DTYPES) + ", comma separated (all timed in one run)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")

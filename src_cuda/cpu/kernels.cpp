@@ -41,6 +41,8 @@ constexpr int64_t kPartitionTokens = 512;  // most tokens per work item along th
 // compiler's own lowering is slow (float16 conversion) or for AVX512-BF16 dot products.
 constexpr int64_t kW = 16;
 using f32x16 = float __attribute__((vector_size(64), aligned(4)));
+using f32x8 = float __attribute__((vector_size(32), aligned(4)));
+using f32x4 = float __attribute__((vector_size(16), aligned(4)));
 using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
@@ -48,12 +50,27 @@ using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
 inline f32x16 load(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
 inline void store(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
 inline float hsum(f32x16 v) {
-  using f32x8 = float __attribute__((vector_size(32)));
-  using f32x4 = float __attribute__((vector_size(16)));
   f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The four horizontal sums of a, b, c, d at once: a 4x4 transpose-and-add inside each 128-bit
+// lane, then the lanes added. 13 shuffles and adds instead of 4 x 9 for four hsum calls, which
+// matters because a decode kernel does one per token and query head.
+inline f32x4 hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
+  const f32x16 ab = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                    __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const f32x16 cd = __builtin_shufflevector(c, d, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                    __builtin_shufflevector(c, d, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  // Per lane: [a, b, c, d] partial sums.
+  const f32x16 abcd = __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                      __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const f32x8 half = __builtin_shufflevector(abcd, abcd, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(abcd, abcd, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
 }
 
 // exp(x) for 16 floats: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial
@@ -118,6 +135,19 @@ inline void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+// The rows of the next block that match the rows being computed, asked for a few at a time as
+// the computation goes: a steady trickle keeps memory busy without a burst that stalls the core.
+struct RowPrefetch {
+  const char* base = nullptr;  // first row of the next block for this kv head; null: nothing to do
+  int64_t row_bytes = 0, rows = 0, done = 0;
+  void upto(int64_t row) {  // rows [done, row) of the next block
+    if (base == nullptr) return;
+    row = std::min(row, rows);
+    if (row > done) prefetch(base + done * row_bytes, (row - done) * row_bytes);
+    done = std::max(done, row);
+  }
+};
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
@@ -128,64 +158,110 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // each K/V row is loaded once for all GT heads.
 template <int GT>
 struct HeadTile {
-  // scores[g * stride + t] = q[g] . k[t] for the n rows of k.
+  // scores[g * stride + t] = scale * (q[g] . k[t]) for the n rows of k, from the per-lane
+  // partial sums acc[g] of one token: reduced four heads at a time.
+  static void store_token(const f32x16 (&acc)[GT], float scale, float* scores, int64_t stride, int64_t t) {
+    for (int g = 0; g < GT; g += 4) {
+      const f32x16 zero{};
+      const f32x4 s = hsum4(acc[g], g + 1 < GT ? acc[g + 1] : zero, g + 2 < GT ? acc[g + 2] : zero,
+                            g + 3 < GT ? acc[g + 3] : zero) * scale;
+      for (int i = 0; i < 4 && g + i < GT; ++i) scores[(g + i) * stride + t] = s[i];
+    }
+  }
+  // The same for four tokens of one head: reduced together, stored as one 4-float vector.
+  static void store_4_tokens(f32x16 a0, f32x16 a1, f32x16 a2, f32x16 a3, float scale, float* scores) {
+    const f32x4 s = hsum4(a0, a1, a2, a3) * scale;
+    std::memcpy(scores, &s, sizeof(s));
+  }
+
+  // scores[g * stride + t] = q[g] . k[t] for the n rows of k (q already scaled).
   template <typename T>
-  static void scores(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride) {
+  static void scores(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride,
+                     RowPrefetch& pf) {
     // With the whole query tile in registers, a token costs D/16 loads instead of (1+GT)*D/16.
-    if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride);
-    if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride);
-    if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride);
+    if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride, pf);
+    if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
+    if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
     const int64_t Dv = D / kW * kW;
     for (int64_t t = 0; t < n; ++t) {
+      pf.upto(t + 1);
       const T* kt = k + t * D;
       f32x16 acc[GT] = {};
       for (int64_t d = 0; d < Dv; d += kW) {
         const f32x16 kv = load16(kt + d);
         for (int g = 0; g < GT; ++g) acc[g] += load(q + g * D + d) * kv;
       }
-      for (int g = 0; g < GT; ++g) {
-        float s = hsum(acc[g]);
-        for (int64_t d = Dv; d < D; ++d) s += q[g * D + d] * static_cast<float>(kt[d]);
-        scores[g * stride + t] = s;
-      }
+      store_token(acc, 1.f, scores, stride, t);
+      for (int64_t d = Dv; d < D; ++d)  // head_dim not a multiple of 16
+        for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * static_cast<float>(kt[d]);
     }
   }
   template <int DV, typename T>  // DV = head_dim / 16
-  static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride) {
+  static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride, RowPrefetch& pf) {
     constexpr int64_t D = DV * kW;
     f32x16 qv[GT][DV];
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < DV; ++c) qv[g][c] = load(q + g * D + c * kW);
     int64_t t = 0;
-    for (; t + 2 <= n; t += 2) {  // two tokens at a time: independent FMA chains
-      f32x16 a0[GT] = {}, a1[GT] = {};
-      for (int c = 0; c < DV; ++c) {
-        const f32x16 k0 = load16(k + t * D + c * kW), k1 = load16(k + (t + 1) * D + c * kW);
-        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * k0, a1[g] += qv[g][c] * k1;
+    if constexpr (GT <= 2) {  // four tokens at a time: independent FMA chains, one reduction
+      for (; t + 4 <= n; t += 4) {
+        pf.upto(t + 4);
+        f32x16 a[4][GT] = {};
+        for (int c = 0; c < DV; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const f32x16 kv = load16(k + (t + i) * D + c * kW);
+            for (int g = 0; g < GT; ++g) a[i][g] += qv[g][c] * kv;
+          }
+        for (int g = 0; g < GT; ++g) store_4_tokens(a[0][g], a[1][g], a[2][g], a[3][g], 1.f, scores + g * stride + t);
       }
-      for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]), scores[g * stride + t + 1] = hsum(a1[g]);
     }
     for (; t < n; ++t) {
+      pf.upto(t + 1);
       f32x16 a0[GT] = {};
       for (int c = 0; c < DV; ++c)
         for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * load16(k + t * D + c * kW);
-      for (int g = 0; g < GT; ++g) scores[g * stride + t] = hsum(a0[g]);
+      store_token(a0, 1.f, scores, stride, t);
     }
   }
 #if defined(__AVX512BF16__)
   // bfloat16 Q.K with the hardware's bf16 pair dot product (products exact, float32 sums): the
   // query stays in bfloat16 (it is bfloat16 already) and the scale is applied to the scores.
   static void scores_bf16(const c10::BFloat16* q, float scale, const c10::BFloat16* k, int64_t n, int64_t D,
-                          float* scores, int64_t stride) {
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 acc[GT];
-      for (int g = 0; g < GT; ++g) acc[g] = _mm512_setzero_ps();
+                          float* scores, int64_t stride, RowPrefetch& pf) {
+    auto as_f32x16 = [](__m512 v) { return reinterpret_cast<const f32x16&>(v); };
+    int64_t t = 0;
+    if constexpr (GT <= 2)
+      if (D == 128) {  // query tile in registers, four tokens at a time as in scores_fixed
+        __m512bh qv[GT][4];
+        for (int g = 0; g < GT; ++g)
+          for (int c = 0; c < 4; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+        for (; t + 4 <= n; t += 4) {
+          pf.upto(t + 4);
+          __m512 a[4][GT];
+          for (int i = 0; i < 4; ++i)
+            for (int g = 0; g < GT; ++g) a[i][g] = _mm512_setzero_ps();
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + (t + i) * D + c * 32);
+              for (int g = 0; g < GT; ++g) a[i][g] = _mm512_dpbf16_ps(a[i][g], qv[g][c], kv);
+            }
+          for (int g = 0; g < GT; ++g)
+            store_4_tokens(as_f32x16(a[0][g]), as_f32x16(a[1][g]), as_f32x16(a[2][g]), as_f32x16(a[3][g]), scale,
+                           scores + g * stride + t);
+        }
+      }
+    for (; t < n; ++t) {
+      pf.upto(t + 1);
+      __m512 a[GT];
+      for (int g = 0; g < GT; ++g) a[g] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 32) {
         const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + t * D + d);
         for (int g = 0; g < GT; ++g)
-          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q + g * D + d), kv);
+          a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512(q + g * D + d), kv);
       }
-      for (int g = 0; g < GT; ++g) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+      f32x16 acc[GT];
+      for (int g = 0; g < GT; ++g) acc[g] = as_f32x16(a[g]);
+      store_token(acc, scale, scores, stride, t);
     }
   }
   // acc[g] += sum_t p[g][t] * v[t] with the same pair dot product, two tokens per instruction:
@@ -193,17 +269,20 @@ struct HeadTile {
   // in "unpack order" (see from_unpack_order). The probabilities are rounded to bfloat16 for this
   // product, as FlashAttention does for P.V; the softmax itself stays float32. n <= 256.
   static void accumulate_bf16(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D,
-                              float* acc) {
+                              float* acc, RowPrefetch& pf) {
     constexpr int64_t kMaxPairs = 128;
     const int64_t pairs = (n + 1) / 2;
-    uint32_t packed[GT][kMaxPairs];  // (p[t], p[t+1]) as a bfloat16 pair
+    // (p[t], p[t+1]) as a bfloat16 pair is p rounded to bfloat16, read two at a time; a zero
+    // pads an odd n.
+    alignas(64) uint32_t packed[GT][kMaxPairs];
     for (int g = 0; g < GT; ++g)
-      for (int64_t i = 0; i < pairs; ++i) {
-        const uint32_t lo = c10::BFloat16(p[g * stride + 2 * i]).x;
-        const uint32_t hi = 2 * i + 1 < n ? c10::BFloat16(p[g * stride + 2 * i + 1]).x : 0;
-        packed[g][i] = lo | (hi << 16);
+      for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + g * stride + t));
+        std::memcpy(&packed[g][t / 2], &b, sizeof(b));
       }
     for (int64_t d = 0; d < D; d += 32) {
+      pf.upto(pf.rows * (d + 32) / D);
       __m512 lo_acc[GT], hi_acc[GT];
       for (int g = 0; g < GT; ++g) lo_acc[g] = _mm512_loadu_ps(acc + g * D + d), hi_acc[g] = _mm512_loadu_ps(acc + g * D + d + 16);
       for (int64_t i = 0; i < pairs; ++i) {
@@ -223,21 +302,25 @@ struct HeadTile {
   // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
   // vectors so the GT x P accumulators stay in registers for the whole block.
   template <typename T>
-  static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc) {
+  static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc,
+                         RowPrefetch& pf) {
     constexpr int P = GT >= 16 ? 1 : 16 / GT;
     int64_t d = 0;
-    for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d);
-    for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d);
+    for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d, pf);
+    for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d, pf);
+    pf.upto(pf.rows);
     for (; d < D; ++d)
       for (int64_t t = 0; t < n; ++t)
         for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * static_cast<float>(v[t * D + d]);
   }
   template <int P, typename T>
-  static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d) {
+  static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
+                    RowPrefetch& pf) {
     f32x16 a[GT][P];
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) a[g][c] = load(acc + g * D + d + c * kW);
     for (int64_t t = 0; t < n; ++t) {
+      pf.upto(t + 1);
       f32x16 vv[P];
       for (int c = 0; c < P; ++c) vv[c] = load16(v + t * D + d + c * kW);
       for (int g = 0; g < GT; ++g) {
@@ -270,19 +353,32 @@ void with_tile(int64_t gt, F&& f) {
 // Online-softmax update of one head for a block of n scores: rescale the running state to the
 // new max and turn the scores into exp(score - max) in place.
 inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum, float* acc, int64_t D) {
-  float block_max = s[0];
-  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+  // Whole 16-score vectors, the last one padded with -inf (exp gives 0 there), so a block of
+  // 8 costs one vector exp rather than eight scalar ones.
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  auto chunk = [&](int64_t t) {
+    if (t + kW <= n) return load(s + t);
+    f32x16 v = f32x16{} + kNegInf;
+    std::memcpy(&v, s + t, (n - t) * sizeof(float));
+    return v;
+  };
+  f32x16 vmax = chunk(0);
+  for (int64_t t = kW; t < n; t += kW) {
+    const f32x16 c = chunk(t);
+    vmax = c > vmax ? c : vmax;
+  }
+  float block_max = vmax[0];
+  for (int i = 1; i < kW; ++i) block_max = std::max(block_max, vmax[i]);
   const float new_max = std::max(max_score, block_max);
   const float rescale = std::exp(max_score - new_max);  // 0 on the first block
-  float sum = 0.f;
-  int64_t t = 0;
-  for (; t + kW <= n; t += kW) {
-    const f32x16 e = exp16(load(s + t) - new_max);
-    store(s + t, e);
-    sum += hsum(e);
+  f32x16 sum{};
+  for (int64_t t = 0; t < n; t += kW) {
+    const f32x16 e = exp16(chunk(t) - new_max);
+    sum += e;
+    if (t + kW <= n) store(s + t, e);
+    else std::memcpy(s + t, &e, (n - t) * sizeof(float));
   }
-  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - new_max));
-  exp_sum = exp_sum * rescale + sum;
+  exp_sum = exp_sum * rescale + hsum(sum);
   max_score = new_max;
   if (rescale != 1.f)
     for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
@@ -311,46 +407,58 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool bf16_dot = false;
 #endif
-  scratch.resize(group * B);
-  float* scores = scratch.data();  // [group, B]
+  scratch.resize(kMaxTile * B);
+  float* scores = scratch.data();  // [tile heads, B]
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.exp_sum, out.exp_sum + num_heads, 0.f);
   std::fill(out.acc, out.acc + num_heads * D, 0.f);
+
+  // Blocks are scattered, so the hardware prefetcher cannot find the next one. While a kv head
+  // of one block is computed, its rows of the next block are asked for, a few at a time (see
+  // RowPrefetch); the first block is asked for at once. Measured with cold caches at block
+  // sizes 8, 16 and 32, one block ahead beat two or four, and beat asking for the whole next
+  // block at once.
+  if (begin < end) {
+    const int64_t r = layout.row(block_table[begin / B], 0, 0);
+    const int64_t block_bytes = layout.block_elems() * static_cast<int64_t>(sizeof(T));
+    prefetch(reinterpret_cast<const char*>(key_cache + r), block_bytes);
+    prefetch(reinterpret_cast<const char*>(value_cache + r), block_bytes);
+  }
 
   for (int64_t pos = begin; pos < end;) {
     const int64_t block = block_table[pos / B];
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
-    if (const int64_t ahead = pos - first + B; ahead < end) {
-      // Blocks are scattered, so the hardware prefetcher cannot find the next one: ask for it
-      // while this one is computed.
-      const int64_t next = layout.row(block_table[ahead / B], 0, 0);
-      const int64_t bytes = layout.block_elems() * static_cast<int64_t>(sizeof(T));
-      prefetch(reinterpret_cast<const char*>(key_cache + next), bytes);
-      prefetch(reinterpret_cast<const char*>(value_cache + next), bytes);
-    }
+    const int64_t later = pos - first + B;  // first token of the next block
     for (int64_t kv_head = 0; kv_head < layout.num_kv_heads; ++kv_head) {
       const int64_t row = layout.row(block, kv_head, first);
       const T* k = key_cache + row;
       const T* v = value_cache + row;
       const int64_t h0 = kv_head * group;
+      RowPrefetch next_k, next_v;
+      if (later < end) {
+        const int64_t next = layout.row(block_table[later / B], kv_head, 0);
+        const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+        next_k = RowPrefetch{reinterpret_cast<const char*>(key_cache + next), row_bytes, B};
+        next_v = RowPrefetch{reinterpret_cast<const char*>(value_cache + next), row_bytes, B};
+      }
       for (int64_t g0 = h0; g0 < h0 + group; g0 += kMaxTile) {  // one tile unless group > 8
         const int64_t gt = std::min(kMaxTile, h0 + group - g0);
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
-            if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores, B);
+            if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores, B, next_k);
 #endif
-          tile.scores(q + g0 * D, k, n, D, scores, B);
+          tile.scores(q + g0 * D, k, n, D, scores, B, next_k);
         });
         for (int64_t g = 0; g < gt; ++g)
           softmax_update(scores + g * B, n, out.max_score[g0 + g], out.exp_sum[g0 + g], out.acc + (g0 + g) * D, D);
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
-            if (bf16_dot) return tile.accumulate_bf16(scores, B, v, n, D, out.acc + g0 * D);
+            if (bf16_dot) return tile.accumulate_bf16(scores, B, v, n, D, out.acc + g0 * D, next_v);
 #endif
-          tile.accumulate(scores, B, v, n, D, out.acc + g0 * D);
+          tile.accumulate(scores, B, v, n, D, out.acc + g0 * D, next_v);
         });
       }
     }
