@@ -7,6 +7,7 @@ and printed as ratios; absolute times on a shared machine are only indicative.
     python bench/decode_cpu.py                       # the headline case
     python bench/decode_cpu.py --dtype float32,bfloat16   # per-byte comparison in one run
     python bench/decode_cpu.py --batch 1 --seq-len 32768
+    python bench/decode_cpu.py --in-cache --threads 1    # the kernel's own cost, without memory
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def main(argv=None) -> None:
                     help="one or more of " + ", ".join(DTYPES) + ", comma separated (all timed in one run)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--in-cache", action="store_true",
+                    help="point every block-table entry at one of 4 blocks, so K/V stay in cache and the paged "
+                         "kernel's compute cost shows (GB/s then counts the bytes it would have read; SDPA is "
+                         "left out, having no such mode)")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -45,17 +50,22 @@ def main(argv=None) -> None:
                                        args.block_size, DTYPES[d]) for d in dtypes}
     fns, errors = {}, {}
     for d, p in problems.items():
-        fns["paged", d] = lambda p=p: minipaged_ops.paged_attention_decode(
-            p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale)
+        tables = p.block_tables % 4 if args.in_cache else p.block_tables
+        fns["paged", d] = lambda p=p, tables=tables: minipaged_ops.paged_attention_decode(
+            p.query, p.key_cache, p.value_cache, tables, p.seq_lens, p.scale)
         fns["sdpa", d] = lambda p=p: sdpa_decode(p)
         errors[d] = (fns["paged", d]().double() - fns["sdpa", d]().double()).abs().max().item()
+        if args.in_cache:
+            del fns["sdpa", d]
+            errors[d] = float("nan")
     # The read roof: a large sum over as many bytes as the biggest K+V, timed in the same alternation.
     roof_bytes = max(p.kv_bytes for p in problems.values())
     roof_buf = torch.ones(roof_bytes // 4, dtype=torch.float32)
     fns["sum", None] = roof_buf.sum
     t = interleaved_medians(fns, args.iters)
     read_bw = roof_bytes / t["sum", None]
-    print(f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
+    print(("IN-CACHE (every table entry names one of 4 blocks): " if args.in_cache else "")
+          + f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
           f"{args.head_dim}, block {args.block_size}, shuffled blocks; {torch.get_num_threads()} threads; "
           + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"
                       for d, p in problems.items()))
@@ -63,11 +73,17 @@ def main(argv=None) -> None:
     rows = []
     for d, p in problems.items():
         for name, kind in (("minipaged paged", "paged"), ("sdpa contiguous", "sdpa")):
+            if (kind, d) not in t:
+                continue
             sec = t[kind, d]
             rows.append(dict(dtype=d, kernel=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
                              pct_read_bw=f"{100 * p.kv_bytes / sec / read_bw:.0f}%",
-                             speedup_vs_sdpa=f"{t['sdpa', d] / sec:.2f}x"))
+                             speedup_vs_sdpa=f"{t['sdpa', d] / sec:.2f}x" if ("sdpa", d) in t else "-"))
     print_table(rows, ["dtype", "kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"])
+    per_byte = {d: problems[d].kv_bytes / t["paged", d] for d in problems}
+    for d in ("bfloat16", "float16"):
+        if d in per_byte and "float32" in per_byte:
+            print(f"{d} / float32, paged bytes per second: {per_byte[d] / per_byte['float32']:.2f}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,14 @@ inline float hsum(f32x16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+inline float hmax(f32x16 v) {
+  auto vmax = [](auto a, auto b) { return a > b ? a : b; };
+  const f32x8 a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  const f32x4 b = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
 // The four horizontal sums of a, b, c, d at once: a 4x4 transpose-and-add inside each 128-bit
 // lane, then the lanes added. 13 shuffles and adds instead of 4 x 9 for four hsum calls, which
 // matters because a decode kernel does one per token and query head.
@@ -281,6 +289,8 @@ struct HeadTile {
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + g * stride + t));
         std::memcpy(&packed[g][t / 2], &b, sizeof(b));
       }
+    if constexpr (GT <= 2)
+      if (D == 128) return accumulate_bf16_rows<4>(packed, v, n, acc, pf);
     for (int64_t d = 0; d < D; d += 32) {
       pf.upto(pf.rows * (d + 32) / D);
       __m512 lo_acc[GT], hi_acc[GT];
@@ -297,6 +307,36 @@ struct HeadTile {
       }
       for (int g = 0; g < GT; ++g) _mm512_storeu_ps(acc + g * D + d, lo_acc[g]), _mm512_storeu_ps(acc + g * D + d + 16, hi_acc[g]);
     }
+  }
+  // accumulate_bf16 with the whole accumulator tile (GT x head_dim floats) in registers, so V
+  // is walked row pair by row pair, front to back, and 2 x GT x DC accumulation chains hide the
+  // dot product's latency. DC = head_dim / 32.
+  template <int DC>
+  static void accumulate_bf16_rows(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, float* acc,
+                                   RowPrefetch& pf) {
+    constexpr int64_t D = DC * 32;
+    __m512 lo_acc[GT][DC], hi_acc[GT][DC];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DC; ++c)
+        lo_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32), hi_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32 + 16);
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      pf.upto(2 * i + 2);
+      __m512bh pp[GT];
+      for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+      for (int c = 0; c < DC; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + c * 32);
+        const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + c * 32) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GT; ++g) {
+          lo_acc[g][c] = _mm512_dpbf16_ps(lo_acc[g][c], lo, pp[g]);
+          hi_acc[g][c] = _mm512_dpbf16_ps(hi_acc[g][c], hi, pp[g]);
+        }
+      }
+    }
+    pf.upto(pf.rows);
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(acc + g * D + c * 32, lo_acc[g][c]), _mm512_storeu_ps(acc + g * D + c * 32 + 16, hi_acc[g][c]);
   }
 #endif
   // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
@@ -367,10 +407,10 @@ inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum
     const f32x16 c = chunk(t);
     vmax = c > vmax ? c : vmax;
   }
-  float block_max = vmax[0];
-  for (int i = 1; i < kW; ++i) block_max = std::max(block_max, vmax[i]);
-  const float new_max = std::max(max_score, block_max);
-  const float rescale = std::exp(max_score - new_max);  // 0 on the first block
+  const float new_max = std::max(max_score, hmax(vmax));
+  // Rescales the running state; 0 on the first block. Skipping exp when the max did not move
+  // (the common case once it has settled) matters at 16 scores per call.
+  const float rescale = new_max == max_score ? 1.f : std::exp(max_score - new_max);
   f32x16 sum{};
   for (int64_t t = 0; t < n; t += kW) {
     const f32x16 e = exp16(chunk(t) - new_max);
