@@ -1,0 +1,157 @@
+"""How close CPU paged decode comes to simply reading its K/V: the kernel against plain read loops
+over the same bytes, in the same order, with no arithmetic, timed side by side.
+
+A large `sum` over contiguous memory (decode_cpu.py's roof) is the machine's best case. Paged
+decode cannot read that way: it walks each sequence's blocks in table order, and inside a block
+one kv head's K rows, then its V rows. This compiles a small C reader (cc + OpenMP, at first
+use) that does exactly that walk, with and without a software prefetch of the next block, so the
+kernel's cost can be split into "the access pattern" and "the kernel itself".
+
+    python bench/read_roof.py
+    python bench/read_roof.py --dtype bfloat16 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import minipaged_ops  # noqa: E402
+from common import DTYPES, interleaved_medians, machine_name, make_decode_problem, print_table  # noqa: E402
+
+READER = r"""
+#include <stdint.h>
+#include <omp.h>
+typedef uint64_t u64x8 __attribute__((vector_size(64), aligned(8)));
+
+/* OR of every 64-byte line in [p, p + bytes): a read the compiler cannot drop, with no
+   arithmetic worth the name. With `next`, each line of the same region of the next block is
+   prefetched as the matching line is read. */
+static u64x8 read_region(const char* p, const char* next, int64_t bytes) {
+    u64x8 a = {0}, b = {0};
+    for (int64_t i = 0; i < bytes; i += 128) {
+        if (next) { __builtin_prefetch(next + i); __builtin_prefetch(next + i + 64); }
+        a |= *(const u64x8*)(p + i);
+        b |= *(const u64x8*)(p + i + 64);
+    }
+    return a | b;
+}
+
+/* The paged walk: sequences x blocks in table order; per block, per kv head, K rows then V rows. */
+uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
+                    int64_t blocks_per_seq, int64_t num_kv_heads, int64_t head_bytes, int prefetch,
+                    int threads) {
+    const int64_t block_bytes = num_kv_heads * head_bytes;
+    uint64_t out = 0;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
+    for (int64_t item = 0; item < num_seqs * ((blocks_per_seq + 31) / 32); ++item) {
+        const int64_t parts = (blocks_per_seq + 31) / 32, s = item / parts, j0 = item % parts * 32;
+        const int64_t j1 = j0 + 32 < blocks_per_seq ? j0 + 32 : blocks_per_seq;
+        const int32_t* table = tables + s * blocks_per_seq;
+        u64x8 acc = {0};
+        for (int64_t j = j0; j < j1; ++j) {
+            const int64_t b = table[j], nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                const int64_t off = b * block_bytes + h * head_bytes, noff = nb * block_bytes + h * head_bytes;
+                acc |= read_region(k + off, nb >= 0 ? k + noff : 0, head_bytes);
+                acc |= read_region(v + off, nb >= 0 ? v + noff : 0, head_bytes);
+            }
+        }
+        for (int i = 0; i < 8; ++i) out |= acc[i];
+    }
+    return out;
+}
+
+/* The same bytes read front to back, K then V, split evenly across threads. */
+uint64_t read_contiguous(const char* k, const char* v, int64_t bytes, int threads) {
+    uint64_t out = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:out)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t chunk = bytes / n / 128 * 128, lo = t * chunk, hi = t == n - 1 ? bytes : lo + chunk;
+        u64x8 acc = read_region(k + lo, 0, hi - lo) | read_region(v + lo, 0, hi - lo);
+        for (int i = 0; i < 8; ++i) out |= acc[i];
+    }
+    return out;
+}
+"""
+
+
+def load_reader() -> ctypes.CDLL:
+    out = Path(__file__).resolve().parent / "out"
+    out.mkdir(exist_ok=True)
+    lib = out / f"read_roof_{hashlib.sha1(READER.encode()).hexdigest()[:12]}.so"
+    if not lib.exists():
+        src = lib.with_suffix(".c")
+        src.write_text(READER)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)],
+                       check=True)
+    dll = ctypes.CDLL(str(lib))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    dll.read_paged.restype = ctypes.c_uint64
+    dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
+    dll.read_contiguous.restype = ctypes.c_uint64
+    return dll
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None, help="threads for every row (default: torch's own choice)")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.seq_len % args.block_size:
+        ap.error("--seq-len: must be a multiple of --block-size here (the reader walks whole blocks)")
+    threads = torch.get_num_threads()
+    reader = load_reader()
+    p = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
+                            args.block_size, DTYPES[args.dtype])
+    tables = p.block_tables.contiguous()
+    head_bytes = args.block_size * args.head_dim * p.key_cache.element_size()
+    kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
+
+    def paged_read(prefetch: int):
+        return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), args.num_kv_heads,
+                                         head_bytes, prefetch, threads)
+
+    flat = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
+    fns = {
+        "minipaged paged_attention_decode": lambda: minipaged_ops.paged_attention_decode(
+            p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale),
+        "read, paged walk": paged_read(0),
+        "read, paged walk + prefetch next block": paged_read(1),
+        "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
+        "torch sum, contiguous (same bytes)": flat.sum,
+    }
+    t = interleaved_medians(fns, args.iters)
+    kernel = t["minipaged paged_attention_decode"]
+    print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")
+    print(f"decode: batch {args.batch} x {args.seq_len}, heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, "
+          f"block {args.block_size}, {args.dtype}, shuffled blocks; K+V {p.kv_bytes / 2**20:.0f} MiB; "
+          f"median of {args.iters}, all rows timed in alternation")
+    rows = [dict(what=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
+                 kernel_pct=f"{100 * sec / kernel:.0f}%") for name, sec in t.items()]
+    print_table(rows, ["what", "ms", "GBps", "kernel_pct"])
+    print("kernel_pct: the kernel's bytes/s as a share of that row's (100% = as fast as that read)")
+
+
+if __name__ == "__main__":
+    main()
