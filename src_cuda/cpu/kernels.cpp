@@ -531,7 +531,6 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   const int64_t part_cap = std::max<int64_t>(1, kPartitionTokens / B) * B;
   const int64_t part = std::clamp<int64_t>((longest / std::max<int64_t>(wanted_parts, 1) + B - 1) / B * B, B, part_cap);
   const int64_t num_parts = std::max<int64_t>(1, (longest + part - 1) / part);
-  const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
   const at::Tensor q_raw = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   at::Tensor max_score = at::empty({num_seqs, num_heads, num_parts}, query.options().dtype(at::kFloat));
@@ -542,7 +541,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_decode_cpu", [&] {
     const scalar_t* kc = key_cache.const_data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.const_data_ptr<scalar_t>();
-    const float* qp = q.const_data_ptr<float>();
+    const scalar_t* qp = q_raw.const_data_ptr<scalar_t>();
     float* mp = max_score.data_ptr<float>();
     float* ep = exp_sum.data_ptr<float>();
     float* ap = acc.data_ptr<float>();
@@ -552,15 +551,17 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     // one item of imbalance instead of a whole slice.
     std::atomic<int64_t> next_item{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch, m(num_heads), l(num_heads), a(num_heads * D);
+      std::vector<float> scratch, q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D);
       for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t s = item / num_parts, p = item % num_parts;
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);
-        if (begin < end)
-          decode_work_item<scalar_t>(qp + s * num_heads * D, q_raw.const_data_ptr<scalar_t>() + s * num_heads * D,
-                                     static_cast<float>(scale), kc, vc, layout,
+        if (begin < end) {
+          const scalar_t* q_seq = qp + s * num_heads * D;
+          for (int64_t i = 0; i < num_heads * D; ++i) q[i] = static_cast<float>(q_seq[i]) * static_cast<float>(scale);
+          decode_work_item<scalar_t>(q.data(), q_seq, static_cast<float>(scale), kc, vc, layout,
                                      tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end, group,
                                      Partial{m.data(), l.data(), a.data()}, scratch);
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
           const int64_t idx = (s * num_heads + h) * num_parts + p;
           mp[idx] = begin < end ? m[h] : -std::numeric_limits<float>::infinity();
