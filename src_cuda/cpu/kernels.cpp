@@ -391,8 +391,10 @@ void with_tile(int64_t gt, F&& f) {
 }
 
 // Online-softmax update of one head for a block of n scores: rescale the running state to the
-// new max and turn the scores into exp(score - max) in place.
-inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum, float* acc, int64_t D) {
+// new max and turn the scores into exp(score - max) in place. The running sum of exponentials
+// stays a 16-lane vector (summed once, at the end) so a block costs no horizontal sum.
+__attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, float& max_score, f32x16& exp_sum,
+                                                          float* acc, int64_t D) {
   // Whole 16-score vectors, the last one padded with -inf (exp gives 0 there), so a block of
   // 8 costs one vector exp rather than eight scalar ones.
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -408,20 +410,20 @@ inline void softmax_update(float* s, int64_t n, float& max_score, float& exp_sum
     vmax = c > vmax ? c : vmax;
   }
   const float new_max = std::max(max_score, hmax(vmax));
-  // Rescales the running state; 0 on the first block. Skipping exp when the max did not move
-  // (the common case once it has settled) matters at 16 scores per call.
-  const float rescale = new_max == max_score ? 1.f : std::exp(max_score - new_max);
-  f32x16 sum{};
+  if (new_max != max_score) [[unlikely]] {
+    // Rescales the running state; 0 on the first block. Skipped when the max did not move, the
+    // common case once it has settled.
+    const float rescale = std::exp(max_score - new_max);
+    exp_sum *= rescale;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+    max_score = new_max;
+  }
   for (int64_t t = 0; t < n; t += kW) {
     const f32x16 e = exp16(chunk(t) - new_max);
-    sum += e;
+    exp_sum += e;
     if (t + kW <= n) store(s + t, e);
     else std::memcpy(s + t, &e, (n - t) * sizeof(float));
   }
-  exp_sum = exp_sum * rescale + hsum(sum);
-  max_score = new_max;
-  if (rescale != 1.f)
-    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
 }
 
 // Running softmax state of one work item: per query head of the sequence, the max score seen,
@@ -447,10 +449,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool bf16_dot = false;
 #endif
-  scratch.resize(kMaxTile * B);
+  scratch.assign(kMaxTile * B + num_heads * kW, 0.f);
   float* scores = scratch.data();  // [tile heads, B]
+  auto* exp_sums = reinterpret_cast<f32x16*>(scores + kMaxTile * B);  // [num_heads], per lane
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
-  std::fill(out.exp_sum, out.exp_sum + num_heads, 0.f);
   std::fill(out.acc, out.acc + num_heads * D, 0.f);
 
   // Blocks are scattered, so the hardware prefetcher cannot find the next one. While a kv head
@@ -492,7 +494,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
           tile.scores(q + g0 * D, k, n, D, scores, B, next_k);
         });
         for (int64_t g = 0; g < gt; ++g)
-          softmax_update(scores + g * B, n, out.max_score[g0 + g], out.exp_sum[g0 + g], out.acc + (g0 + g) * D, D);
+          softmax_update(scores + g * B, n, out.max_score[g0 + g], exp_sums[g0 + g], out.acc + (g0 + g) * D, D);
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -504,6 +506,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     }
     pos += n;
   }
+  for (int64_t h = 0; h < num_heads; ++h) out.exp_sum[h] = hsum(exp_sums[h]);
   if (bf16_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 }
