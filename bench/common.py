@@ -22,16 +22,24 @@ def _time_once(fn, device: str, flush: torch.Tensor | None) -> float:
         stop.record()
         stop.synchronize()
         return start.elapsed_time(stop) / 1e3
+    if flush is not None:
+        flush.sum()  # caches hold other data, as they do when a model step reaches this layer
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu") -> dict:
+def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu", cold: bool = True) -> dict:
     """Median time of each function, timed in alternation (a, b, c, a, b, c, ...) so that a
-    busy moment on a shared machine lands on all of them alike; CUDA runs use events and a
-    cold L2 per run."""
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda") if device == "cuda" else None  # > 50 MB L2
+    busy moment on a shared machine lands on all of them alike. With `cold` (the default) every
+    timed run starts from the same state, caches full of other data: on a GPU a 512 MiB write
+    (more than any L2), on a CPU a 128 MiB read (several times any last-level cache), untimed.
+    CUDA runs use events."""
+    flush = None
+    if device == "cuda":
+        flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    elif cold:
+        flush = torch.ones(32 * 2**20, dtype=torch.float32)
     for _ in range(warmup):
         for fn in fns.values():
             fn()

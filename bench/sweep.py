@@ -244,7 +244,7 @@ def plot(rows: list[dict], skipped: list[tuple], args, roof: float, roof_name: s
     fig.suptitle(f"decode attention, {machine_name(args.device)}\n{args.dtype}, heads "
                  f"{args.num_heads}/{args.num_kv_heads}/{args.head_dim} (q/kv/dim), block {args.block_size} (context, batch), "
                  f"torch {torch.__version__}", fontsize=10)
-    note = "K+V that fits in a cache can beat the DRAM roof."
+    note = "Every timed run starts with caches full of other data (as in a model step)."
     if skipped:
         note += f"  Skipped (K+V > {args.max_kv_mib} MiB): " + ", ".join(f"{s} {b}x{n}" for s, b, n, _ in skipped)
     fig.text(0.01, 0.005, note, fontsize=7, color="gray")
