@@ -1,0 +1,68 @@
+"""The CPU benchmark commands the README and bench/RESULTS.md quote still run, on tiny shapes, and
+print the rows those documents read. They measure nothing here; they only must not rot."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def run_bench(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_decode_cpu_prints_every_dtype_and_the_per_byte_ratio():
+    out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "80", "--block-size", "16", "--iters", "2",
+                    "--dtype", "float32,bfloat16,float16")
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert re.search(rf"^{dtype}\s+minipaged paged\s+[\d.]+\s+[\d.]+\s+\d+%\s+[\d.]+x", out, re.M), out
+        assert re.search(rf"^{dtype}\s+sdpa contiguous", out, re.M), out
+    assert "bfloat16 / float32, paged bytes per second:" in out
+    # The max error against SDPA is printed and small (the op suite checks correctness in detail).
+    errors = [float(e) for e in re.findall(r"max \|paged - sdpa\| = ([\d.e+-]+)", out)]
+    assert len(errors) == 3 and max(errors) < 1e-2, out
+
+
+def test_decode_cpu_in_cache_mode_has_no_sdpa_rows():
+    out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--in-cache",
+                    "--threads", "1")
+    assert out.startswith("IN-CACHE") and "sdpa contiguous" not in out
+
+
+def test_read_roof_compiles_its_reader_and_prints_all_rows():
+    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2")
+    for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
+                "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
+        assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+
+
+def test_read_roof_rejects_a_partial_last_block():
+    done = subprocess.run([sys.executable, "bench/read_roof.py", "--seq-len", "70"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "--seq-len" in done.stderr
+
+
+def test_compare_revisions_reads_the_benchmark_table():
+    from compare_revisions import parse_table
+
+    out = """decode: whatever
+read bandwidth (sum over 128 MiB, timed alongside): 41.5 GB/s
+dtype     kernel           ms      GBps  pct_read_bw  speedup_vs_sdpa
+float32   minipaged paged  4.747   28.3  68%          1.99x
+bfloat16  sdpa contiguous  28.390  2.4   6%           1.00x
+bfloat16 / float32, paged bytes per second: 0.91
+"""
+    cells = parse_table(out)
+    assert cells[("float32", "minipaged paged"), "ms"] == pytest.approx(4.747)
+    assert cells[("float32", "minipaged paged"), "speedup_vs_sdpa"] == pytest.approx(1.99)
+    assert cells[("bfloat16", "sdpa contiguous"), "pct_read_bw"] == pytest.approx(6)
+    assert len(cells) == 8
