@@ -118,6 +118,27 @@ def make_decode_problem(batch, seq_len, num_heads, num_kv_heads, head_dim, block
     return DecodeProblem(*tensors, scale=head_dim**-0.5)
 
 
+def add_cpu_decode_args(ap) -> None:
+    """The decode shape and timing options the CPU decode benchmarks share (defaults: Qwen3-0.6B's
+    attention, batch 8 x 2,048, block 16)."""
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+
+
+def cpu_decode_problem(args, dtype: torch.dtype) -> DecodeProblem:
+    """make_decode_problem from add_cpu_decode_args' options; applies --threads."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
+                               args.block_size, dtype)
+
+
 def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
     """The no-paging baseline: SDPA over contiguous K/V, GQA handled by SDPA itself."""
     q = p.query.unsqueeze(2)

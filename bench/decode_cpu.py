@@ -20,34 +20,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, interleaved_medians, make_decode_problem, print_table, sdpa_decode  # noqa: E402
+from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, print_table, sdpa_decode  # noqa: E402
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--num-heads", type=int, default=16)
-    ap.add_argument("--num-kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_cpu_decode_args(ap)
     ap.add_argument("--dtype", default="float32",
                     help="one or more of " + ", ".join(DTYPES) + ", comma separated (all timed in one run)")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--in-cache", action="store_true",
                     help="point every block-table entry at one of 4 blocks, so K/V stay in cache and the paged "
                          "kernel's compute cost shows (GB/s then counts the bytes it would have read; SDPA is "
                          "left out, having no such mode)")
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")
 
-    problems = {d: make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
-                                       args.block_size, DTYPES[d]) for d in dtypes}
+    problems = {d: cpu_decode_problem(args, DTYPES[d]) for d in dtypes}
     fns, errors = {}, {}
     for d, p in problems.items():
         tables = p.block_tables % 4 if args.in_cache else p.block_tables

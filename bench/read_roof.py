@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, interleaved_medians, machine_name, make_decode_problem, print_table  # noqa: E402
+from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, machine_name, print_table  # noqa: E402
 
 READER = r"""
 #include <stdint.h>
@@ -106,24 +106,14 @@ def load_reader() -> ctypes.CDLL:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--num-heads", type=int, default=16)
-    ap.add_argument("--num-kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_cpu_decode_args(ap)
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=None, help="threads for every row (default: torch's own choice)")
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.seq_len % args.block_size:
         ap.error("--seq-len: must be a multiple of --block-size here (the reader walks whole blocks)")
+    p = cpu_decode_problem(args, DTYPES[args.dtype])
     threads = torch.get_num_threads()
     reader = load_reader()
-    p = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
-                            args.block_size, DTYPES[args.dtype])
     tables = p.block_tables.contiguous()
     head_bytes = args.block_size * args.head_dim * p.key_cache.element_size()
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
