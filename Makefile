@@ -14,16 +14,26 @@ TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 # Python files too: an editable install maps the package's files when it is made.
 SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-ops setup build bench clean
+.PHONY: demo test test-ops test-cpu-isas setup build bench clean
 
 demo: build
 	$(PY) -m minipaged_ops.demo
 
 test: build $(TF_OLDEST_DIR)/.stamp
 	$(PY) -m pytest tests
+	$(MAKE) test-cpu-isas
 	@echo "--- integration tests again on transformers $(TF_OLDEST)"
 	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_OLDEST)', t.__version__"
 	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k integration -p no:cacheprovider
+
+# The op tests again under every other CPU kernel variant this CPU runs (the full run above used
+# the best one), forced through MINIPAGED_CPU_ISA.
+OP_TESTS := tests/test_paged_attention.py tests/test_reshape_and_cache.py tests/test_op_errors.py
+test-cpu-isas: build
+	@for isa in $$($(PY) -c "import minipaged_ops as m; print(' '.join(m.supported_cpu_isas()[:-1]))"); do \
+	  echo "--- op tests with MINIPAGED_CPU_ISA=$$isa"; \
+	  MINIPAGED_CPU_ISA=$$isa $(PY) -m pytest $(OP_TESTS) -q -p no:cacheprovider -k "not cuda" || exit 1; \
+	done
 
 setup: $(VENV)/.deps-stamp
 

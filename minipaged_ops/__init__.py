@@ -16,7 +16,15 @@ except ImportError as err:  # pragma: no cover - only on a broken install
     ) from err
 
 from . import reference
-from ._ops import build_info, compiled_backends, copy_blocks, paged_attention_decode, reshape_and_cache
+from ._ops import (
+    build_info,
+    compiled_backends,
+    copy_blocks,
+    cpu_isa,
+    paged_attention_decode,
+    reshape_and_cache,
+    supported_cpu_isas,
+)
 from .block_manager import KVBlockManager, OutOfBlocksError
 
 __all__ = [
@@ -25,8 +33,10 @@ __all__ = [
     "build_info",
     "compiled_backends",
     "copy_blocks",
+    "cpu_isa",
     "paged_attention_decode",
     "reference",
     "reshape_and_cache",
+    "supported_cpu_isas",
 ]
 __version__ = "0.1.0"

@@ -66,6 +66,19 @@ def build_info() -> str:
     return _ops.build_info()
 
 
+def cpu_isa() -> str:
+    """The instruction-set variant of the CPU kernels in use: ``scalar``, ``avx2``, ``avx512`` or
+    ``avx512_bf16`` (``native`` in a MINIPAGED_NATIVE_CPU build). The best this CPU supports
+    unless the environment variable ``MINIPAGED_CPU_ISA`` named another when minipaged loaded."""
+    return _ops.cpu_isa()
+
+
+def supported_cpu_isas() -> list[str]:
+    """The compiled CPU kernel variants this CPU can run, worst first (build_info() lists all
+    compiled ones)."""
+    return list(_ops.supported_cpu_isas())
+
+
 def compiled_backends() -> list[str]:
     """The dispatch keys that have minipaged kernels in this build, e.g. ``["CPU", "CUDA"]``."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key

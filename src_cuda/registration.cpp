@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "cpu/dispatch.h"
+
 TORCH_LIBRARY(minipaged, m) {
   // Writes key[i], value[i] into slot slot_mapping[i] of the caches; negative slots are skipped.
   m.def(
@@ -19,11 +21,22 @@ TORCH_LIBRARY(minipaged, m) {
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
   // What this build compiled, and why a backend is missing (e.g. no nvcc for a CUDA torch).
   m.def("build_info() -> str", [] { return std::string(MINIPAGED_BUILD_INFO); });
+  // The CPU kernels' instruction-set variant in use, and those this CPU could use (cpu/isa.h).
+  m.def("cpu_isa() -> str", [] { return minipaged::cpu_dispatch::cpu_isa(); });
+  m.def("supported_cpu_isas() -> str[]", [] { return minipaged::cpu_dispatch::supported_isas(); });
 }
 
 // _C is imported as a Python extension module so that the library loads once per process
 // (a second import is a no-op) and is found the same way in editable and regular installs.
+// The CPU kernels register here rather than at static init, once every per-instruction-set
+// variant has added itself, so that one of them is chosen (a bad MINIPAGED_CPU_ISA fails the import).
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  try {
+    minipaged::cpu_dispatch::register_cpu_kernels();
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }

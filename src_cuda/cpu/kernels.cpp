@@ -4,6 +4,8 @@
 // online across blocks keeps one pass over K/V.
 // Partitions let a single long sequence use every core; their partial results are merged
 // afterwards with the usual (max, sum) rescaling.
+// Compiled once per instruction set (cpu/isa.h): everything here lives in
+// minipaged::<variant>, and `#if defined(__AVX512BF16__)` etc. select per copy.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -24,8 +26,9 @@
 
 #include "cache_layout.h"
 #include "checks.h"
+#include "cpu/isa.h"
 
-namespace minipaged {
+namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
 
 // The cache dtypes (check_cache_pair admits exactly these).
@@ -653,10 +656,10 @@ void copy_blocks_cpu(at::Tensor& key_cache, at::Tensor& value_cache, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(minipaged, CPU, m) {
+MINIPAGED_CPU_IMPL(m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &paged_attention_decode_cpu);
   m.impl("copy_blocks", &copy_blocks_cpu);
 }
 
-}  // namespace minipaged
+}  // namespace minipaged::MINIPAGED_CPU_ISA

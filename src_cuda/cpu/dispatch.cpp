@@ -1,0 +1,99 @@
+// Chooses, once, which compiled variant of the CPU kernels registers as minipaged's CPU kernels:
+// the best one this CPU supports, or the one MINIPAGED_CPU_ISA names. Compiled with the
+// architecture's default flags only, like everything outside the per-variant objects.
+#include "cpu/dispatch.h"
+
+#include <cstdlib>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace minipaged::cpu_dispatch {
+namespace {
+
+bool cpu_has(const char* isa) {
+  const std::string name = isa;
+  if (name == "scalar" || name == "native") return true;  // native: built for this very machine
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (name == "avx2") return avx2;
+  if (name == "avx512") return avx512;
+  if (name == "avx512_bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+  return false;
+}
+
+// Every variant the build may compile, worst first; the best supported compiled one wins.
+constexpr const char* kPreference[] = {"scalar", "avx2", "avx512", "avx512_bf16", "native"};
+
+std::map<std::string, std::vector<RegisterKernels>>& registry() {
+  static std::map<std::string, std::vector<RegisterKernels>> variants;
+  return variants;
+}
+
+std::string& chosen() {
+  static std::string isa;
+  return isa;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+bool add_kernels(const char* isa, RegisterKernels fn) {
+  registry()[isa].push_back(fn);
+  return true;
+}
+
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> out;
+  for (const char* isa : kPreference)
+    if (registry().count(isa)) out.push_back(isa);
+  return out;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const auto& isa : compiled_isas())
+    if (cpu_has(isa.c_str())) out.push_back(isa);
+  return out;
+}
+
+std::string cpu_isa() { return chosen(); }
+
+void register_cpu_kernels() {
+  if (!chosen().empty()) return;  // a second PyInit after a failed first import
+  const std::vector<std::string> supported = supported_isas();
+  if (supported.empty()) throw std::runtime_error("minipaged: no compiled CPU kernel variant runs on this CPU");
+  std::string isa = supported.back();
+  const char* forced = std::getenv("MINIPAGED_CPU_ISA");
+  if (forced != nullptr && *forced != '\0') {
+    isa = forced;
+    bool known = false;
+    for (const char* name : kPreference) known = known || isa == name;
+    if (!known)
+      throw std::invalid_argument("MINIPAGED_CPU_ISA='" + isa +
+                                  "': expected one of scalar, avx2, avx512, avx512_bf16 (or native in a "
+                                  "MINIPAGED_NATIVE_CPU build)");
+    if (!registry().count(isa))
+      throw std::invalid_argument("MINIPAGED_CPU_ISA=" + isa + ": this build did not compile that variant (compiled: " +
+                                  join(compiled_isas()) + ")");
+    if (!cpu_has(isa.c_str()))
+      throw std::invalid_argument("MINIPAGED_CPU_ISA=" + isa + ": this CPU lacks the instructions it needs "
+                                  "(usable here: " + join(supported) + ")");
+  }
+  // Lives as long as the process, like a TORCH_LIBRARY_IMPL block's static library.
+  auto* library = new torch::Library(torch::Library::IMPL, "minipaged", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  for (RegisterKernels fn : registry().at(isa)) fn(*library);
+  chosen() = isa;
+}
+
+}  // namespace minipaged::cpu_dispatch
