@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import platform
 import statistics
@@ -67,6 +69,27 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, iters: int = 10) 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / median_seconds(lambda: dst.copy_(src), iters, device=device)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool = True):
+    """Another process spinning on one core for the duration: the load a shared machine puts on
+    a kernel's threads (one of them loses its core to the spinner for whole time slices)."""
+    if not enabled:
+        yield
+        return
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        spinner.terminate()
+        spinner.join()
 
 
 def machine_name(device: str = "cpu") -> str:

@@ -8,6 +8,7 @@ and printed as ratios; absolute times on a shared machine are only indicative.
     python bench/decode_cpu.py --dtype float32,bfloat16   # per-byte comparison in one run
     python bench/decode_cpu.py --batch 1 --seq-len 32768
     python bench/decode_cpu.py --in-cache --threads 1    # the kernel's own cost, without memory
+    python bench/decode_cpu.py --busy --batch 2 --seq-len 512   # another process spinning on a core
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, print_table, sdpa_decode  # noqa: E402
+from common import DTYPES, add_cpu_decode_args, busy_core, cpu_decode_problem, interleaved_medians, print_table, sdpa_decode  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -32,6 +33,8 @@ def main(argv=None) -> None:
                     help="point every block-table entry at one of 4 blocks, so K/V stay in cache and the paged "
                          "kernel's compute cost shows (GB/s then counts the bytes it would have read; SDPA is "
                          "left out, having no such mode)")
+    ap.add_argument("--busy", action="store_true",
+                    help="time everything while another process spins on one core (a shared machine's load)")
     args = ap.parse_args(argv)
     dtypes = args.dtype.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
@@ -52,9 +55,11 @@ def main(argv=None) -> None:
     roof_bytes = max(p.kv_bytes for p in problems.values())
     roof_buf = torch.ones(roof_bytes // 4, dtype=torch.float32)
     fns["sum", None] = roof_buf.sum
-    t = interleaved_medians(fns, args.iters, cold=not args.in_cache)
+    with busy_core(args.busy):
+        t = interleaved_medians(fns, args.iters, cold=not args.in_cache)
     read_bw = roof_bytes / t["sum", None]
     print(("IN-CACHE (every table entry names one of 4 blocks): " if args.in_cache else "")
+          + ("BUSY (another process spinning on a core): " if args.busy else "")
           + f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
           f"{args.head_dim}, block {args.block_size}, shuffled blocks; {torch.get_num_threads()} threads; "
           + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"

@@ -66,3 +66,18 @@ bfloat16 / float32, paged bytes per second: 0.91
     assert cells[("float32", "minipaged paged"), "speedup_vs_sdpa"] == pytest.approx(1.99)
     assert cells[("bfloat16", "sdpa contiguous"), "pct_read_bw"] == pytest.approx(6)
     assert len(cells) == 8
+
+
+def test_decode_cpu_busy_mode_runs_with_a_spinner():
+    out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--busy")
+    assert out.startswith("BUSY") and re.search(r"^float32\s+minipaged paged", out, re.M), out
+
+
+def test_peers_checks_every_peer_and_prints_the_table(tmp_path):
+    out = run_bench("bench/peers.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--out", str(tmp_path))
+    for row in ("minipaged paged", "sdpa contiguous, enable_gqa", "sdpa contiguous, heads repeated",
+                "read roof (sum, same bytes)"):
+        assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
+    assert "minipaged paged: max |out - float64 reference| = " in out
+    assert "ipex paged decode" in out  # timed, or said why it was left out
+    assert (tmp_path / "peers_float32_2x64.csv").exists() and (tmp_path / "peers_float32_2x64.png").exists()

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -539,9 +540,11 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   const int64_t num_parts = std::max<int64_t>(1, (longest + part - 1) / part);
   const at::Tensor q_raw = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
-  at::Tensor max_score = at::empty({num_seqs, num_heads, num_parts}, query.options().dtype(at::kFloat));
-  at::Tensor exp_sum = at::zeros_like(max_score);
-  at::Tensor acc = at::empty({num_seqs, num_heads, num_parts, D}, max_score.options());
+  // Partials of partitioned sequences only; a sequence in one partition is written directly.
+  const int64_t stored_parts = num_parts > 1 ? num_parts : 0;
+  at::Tensor max_score = at::empty({num_seqs, num_heads, stored_parts}, query.options().dtype(at::kFloat));
+  at::Tensor exp_sum = at::empty_like(max_score);
+  at::Tensor acc = at::empty({num_seqs, num_heads, stored_parts, D}, max_score.options());
   at::Tensor out = at::empty({num_seqs, num_heads, D}, query.options());
 
   MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_decode_cpu", [&] {
@@ -551,13 +554,45 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     float* mp = max_score.data_ptr<float>();
     float* ep = exp_sum.data_ptr<float>();
     float* ap = acc.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t items = num_seqs * num_parts;
     // Work items are handed out one at a time from a shared counter rather than in fixed
     // slices: ragged sequences, and a core the OS takes away for a moment, then cost only
     // one item of imbalance instead of a whole slice.
     std::atomic<int64_t> next_item{0};
-    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch, q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D);
+    // Partitions of each sequence finished so far: whoever finishes the last one merges them,
+    // inside the same parallel region. A second region (a second wake-up and barrier) costs
+    // little on a quiet machine but a whole time slice when another process holds a core.
+    std::unique_ptr<std::atomic<int32_t>[]> parts_done(new std::atomic<int32_t>[num_seqs]());
+    // Normalises (max, sum, acc) partials into the output rows of sequence s: rescaled to the
+    // common max when there are several.
+    auto write_output = [&](int64_t s, const float* m, const float* l, const float* a, int64_t parts,
+                            std::vector<float>& row) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* mh = m + h * parts;
+        const float* lh = l + h * parts;
+        const float global_max = *std::max_element(mh, mh + parts);
+        std::fill(row.begin(), row.end(), 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+          if (lh[p] == 0.f) continue;
+          const float w = parts == 1 ? 1.f : std::exp(mh[p] - global_max);
+          total += w * lh[p];
+          axpy(w, a + (h * parts + p) * D, row.data(), D);
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        scalar_t* o = op + (s * num_heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(row[d] * inv);
+      }
+    };
+    // Below ~256 KiB of K/V (tens of microseconds on one core) waking a second thread costs
+    // more than it saves, and under load it can cost a time slice: run on the caller.
+    int64_t total_tokens = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total_tokens += lens_ptr[s];
+    const int64_t kv_bytes = 2 * total_tokens * layout.num_kv_heads * D * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t threads = kv_bytes < (256 << 10) ? 1 : std::min<int64_t>(items, at::get_num_threads());
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch, q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D), row(D);
       for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t s = item / num_parts, p = item % num_parts;
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);
@@ -567,33 +602,24 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
           decode_work_item<scalar_t>(q.data(), q_seq, static_cast<float>(scale), kc, vc, layout,
                                      tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end, group,
                                      Partial{m.data(), l.data(), a.data()}, scratch);
+        } else {
+          std::fill(l.begin(), l.end(), 0.f);  // an empty sequence's output is zeros
+          std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+        }
+        if (num_parts == 1) {
+          write_output(s, m.data(), l.data(), a.data(), 1, row);
+          continue;
         }
         for (int64_t h = 0; h < num_heads; ++h) {
           const int64_t idx = (s * num_heads + h) * num_parts + p;
-          mp[idx] = begin < end ? m[h] : -std::numeric_limits<float>::infinity();
-          ep[idx] = begin < end ? l[h] : 0.f;
+          mp[idx] = m[h];
+          ep[idx] = l[h];
           if (begin < end) std::memcpy(ap + idx * D, a.data() + h * D, D * sizeof(float));
         }
-      }
-    });
-    // Merge partitions: rescale each partial to the global max, then normalise.
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t lo, int64_t hi) {
-      std::vector<float> row(D);
-      for (int64_t sh = lo; sh < hi; ++sh) {
-        const float* m = mp + sh * num_parts;
-        const float* l = ep + sh * num_parts;
-        const float global_max = *std::max_element(m, m + num_parts);
-        std::fill(row.begin(), row.end(), 0.f);
-        float total = 0.f;
-        for (int64_t p = 0; p < num_parts; ++p) {
-          if (l[p] == 0.f) continue;
-          const float w = std::exp(m[p] - global_max);
-          total += w * l[p];
-          axpy(w, ap + (sh * num_parts + p) * D, row.data(), D);
-        }
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t d = 0; d < D; ++d) op[sh * D + d] = static_cast<scalar_t>(row[d] * inv);
+        // acq_rel: the last finisher sees every other partition's partial of this sequence.
+        if (parts_done[s].fetch_add(1, std::memory_order_acq_rel) + 1 == num_parts)
+          write_output(s, mp + s * num_heads * num_parts, ep + s * num_heads * num_parts,
+                       ap + s * num_heads * num_parts * D, num_parts, row);
       }
     });
   });
