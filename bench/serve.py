@@ -24,8 +24,10 @@ Systems (rows):
 
 Columns: output tokens/s and its share of the roof's; TTFT, TPOT (time per output token after the
 first) and end-to-end latency percentiles; ``in layers``: the share of the run's wall time spent
-inside the model's own modules (embedding, decoder layers, norm, lm_head; the rest is scheduling,
-bookkeeping, sampling and idle time); tokens computed by the model (prefill + decode).
+inside the model's own modules (embedding, decoder layers, norm, lm_head), for the engine of the
+time inside ``engine.step()`` (the rest is its overhead: scheduling, bookkeeping, metadata,
+sampling), for the others of the wall time; prefill tokens: tokens the model computed minus one
+per decode (so padding counts, and prefix-cache hits do not).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ class RunResult:
     tokens_computed: int = 0
     blocks: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, KV blocks held)
     stats: dict = field(default_factory=dict)
+    busy: float | None = None  # seconds inside engine.step() (None: the whole wall time)
 
 
 class ModelTimer:
@@ -201,7 +204,7 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
     timer = ModelTimer(model)
     bar = progress(len(requests), desc, args)
     pending = sorted(requests, key=lambda r: r.arrival)
-    i, start = 0, time.perf_counter()
+    i, busy, start = 0, 0.0, time.perf_counter()
     try:
         while i < len(pending) or engine.has_unfinished_requests():
             now = time.perf_counter()
@@ -217,6 +220,7 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
                 continue
             outputs = engine.step()
             t = time.perf_counter()
+            busy += t - now
             for out in outputs:
                 tl = timelines[out.request_id]
                 if tl.first_token is None and any(len(c.token_ids) for c in out.outputs):
@@ -230,7 +234,7 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
     finally:
         timer.close()
         bar.close()
-    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks, dict(engine.stats()))
+    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks, dict(engine.stats()), busy)
 
 
 def run_transformers_cb(model, requests, args, num_blocks, desc="transformers") -> RunResult:
@@ -377,11 +381,12 @@ def run_roof(model, requests, args, repeats: int = 3) -> RunResult:
     step_ids = torch.randint(3, cfg.vocab_size, (rows, 1), generator=g)
     kv = torch.randn(rows, cfg.num_key_value_heads, context, head_dim, generator=g, dtype=torch.float32).to(model.dtype)
 
+    cache = DynamicCache(config=cfg)  # the history; each timed step appends one token to it
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(kv, kv, layer)
+
     def decode():
-        cache = DynamicCache(config=cfg)
-        for layer in range(cfg.num_hidden_layers):
-            cache.update(kv, kv, layer)
-        position_ids = torch.full((rows, 1), context)
+        position_ids = torch.full((rows, 1), cache.get_seq_length())
         model(step_ids, position_ids=position_ids, use_cache=True, **_compat.cache_kwargs(cache))
 
     timer = ModelTimer(model)
@@ -431,7 +436,7 @@ def summary_row(result: RunResult, requests, args, roof: RunResult | None, refer
         for key, label, scale in (("ttft", "TTFT", 1), ("tpot", "TPOT ms", 1e3), ("e2e", "E2E", 1)):
             p50, p95, p99 = percentiles(lat[key])
             row[f"{label} p50/p95/p99"] = f"{p50 * scale:.2f}/{p95 * scale:.2f}/{p99 * scale:.2f}"
-        row["in layers"] = f"{result.model_seconds / result.wall:.0%}"
+        row["in layers"] = f"{result.model_seconds / (result.busy or result.wall):.0%}"
         row["prefill tokens"] = str(result.tokens_computed - decode_tokens)
         if result.blocks:
             row["peak blocks"] = str(max(b for _, b in result.blocks))
