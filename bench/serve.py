@@ -426,6 +426,12 @@ def latencies(result: RunResult) -> dict[str, list[float]]:
     return {"ttft": ttft, "tpot": tpot, "e2e": e2e}
 
 
+def prefill_tokens(result: RunResult, decode_tokens: int) -> int:
+    """Prompt tokens the model computed: the engine counts them; for the others, all tokens
+    through the embedding minus one per decode (padding included)."""
+    return result.stats.get("prefill_tokens_computed", result.tokens_computed - decode_tokens)
+
+
 def summary_row(result: RunResult, requests, args, roof: RunResult | None, reference: RunResult | None) -> dict:
     output_tokens = sum(args.n * r.max_tokens for r in requests)
     decode_tokens = sum(args.n * (r.max_tokens - 1) for r in requests)
@@ -437,7 +443,7 @@ def summary_row(result: RunResult, requests, args, roof: RunResult | None, refer
             p50, p95, p99 = percentiles(lat[key])
             row[f"{label} p50/p95/p99"] = f"{p50 * scale:.2f}/{p95 * scale:.2f}/{p99 * scale:.2f}"
         row["in layers"] = f"{result.model_seconds / (result.busy or result.wall):.0%}"
-        row["prefill tokens"] = str(result.tokens_computed - decode_tokens)
+        row["prefill tokens"] = str(prefill_tokens(result, decode_tokens))
         if result.blocks:
             row["peak blocks"] = str(max(b for _, b in result.blocks))
         if reference is not None and reference is not result and args.n == 1:
@@ -559,14 +565,15 @@ def main(argv=None) -> int:
     by_name = {r.system: r for r in results}
     if "engine" in by_name and "engine, no prefix caching" in by_name:
         decode_tokens = sum(args.n * (r.max_tokens - 1) for r in requests)
-        with_pc = by_name["engine"].tokens_computed - decode_tokens
-        without = by_name["engine, no prefix caching"].tokens_computed - decode_tokens
+        with_pc = prefill_tokens(by_name["engine"], decode_tokens)
+        without = prefill_tokens(by_name["engine, no prefix caching"], decode_tokens)
         print(f"prefix caching: {with_pc} prefill tokens computed vs {without} without "
               f"({1 - with_pc / without:.0%} fewer)")
     if "engine" in by_name:
+        from minipaged_ops.demo import format_report
+
         print("\nengine.stats() after the run (the capacity report):")
-        for key, value in by_name["engine"].stats.items():
-            print(f"  {key:28} {value:.4g}" if isinstance(value, float) else f"  {key:28} {value}")
+        print(format_report(by_name["engine"].stats))
 
     os.makedirs(args.out, exist_ok=True)
     csv_path, png_path = os.path.join(args.out, "serve.csv"), os.path.join(args.out, "serve.png")

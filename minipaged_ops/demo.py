@@ -156,6 +156,24 @@ def same_tokens(ref, ref_logits, out, out_logits, prompt_width, dtype, top_k) ->
                 f"{'is' if ok else 'is not always'} in the other's top-{top_k} there)")
 
 
+def format_report(stats: dict) -> str:
+    """``engine.stats()`` as aligned lines; latency percentiles in ms, bytes in MiB."""
+    lines = []
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            ms = key.endswith("_s")
+            text = "  ".join(f"{k} {v * 1e3:,.1f}" if ms else f"{k} {v}" for k, v in value.items())
+            key, text = (key[:-2] + "_ms", text) if ms else (key, text)
+        elif key.endswith("bytes") or "_bytes_" in key:
+            text = fmt_bytes(value)
+        elif isinstance(value, float):
+            text = f"{value:.3f}"
+        else:
+            text = str(value)
+        lines.append(f"  {key:26} {text}")
+    return "\n".join(lines)
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -321,8 +339,7 @@ def run_engine(model, args, device, dtype) -> bool:
     generated = sum(len(v) for v in outputs.values())
     print(f"done in {seconds:.1f} s: {generated} tokens, {generated / seconds:.1f} tokens/s")
     print("capacity report (engine.stats()):")
-    for key, value in engine.stats().items():
-        print(f"  {key:28} {value:.4g}" if isinstance(value, float) else f"  {key:28} {value}")
+    print(format_report(engine.stats()))
 
     # every request against generate() on its prompt alone (sdpa, DynamicCache)
     model.set_attn_implementation("sdpa")
