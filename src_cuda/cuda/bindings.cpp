@@ -201,6 +201,10 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(minipaged, CUDA, m) { m.impl("paged_attention_prefill", &paged_attention_prefill_cuda); }
+// The CUDA emulation build (src_cuda/emulation/) defines this to register on its own library.
+#ifndef MINIPAGED_CUDA_LIBRARY_IMPL
+#define MINIPAGED_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(minipaged, CUDA, m)
+#endif
+MINIPAGED_CUDA_LIBRARY_IMPL(m) { m.impl("paged_attention_prefill", &paged_attention_prefill_cuda); }
 
 }  // namespace minipaged
