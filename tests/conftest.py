@@ -72,9 +72,10 @@ def make_prefill_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, b
     assert all(0 <= q <= n for q, n in zip(query_lens, seq_lens, strict=True))
     case = make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    case["query"] = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    on = case["key_cache"].device  # where make_paged_case put the tensors
+    case["query"] = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(device=on, dtype=dtype)
     offsets = [0]
     for q in query_lens:
         offsets.append(offsets[-1] + q)
-    case["cu_seqlens_q"] = torch.tensor(offsets, dtype=torch.int32, device=device)
+    case["cu_seqlens_q"] = torch.tensor(offsets, dtype=torch.int32, device=on)
     return case
