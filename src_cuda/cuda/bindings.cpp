@@ -1,9 +1,15 @@
 // CUDA bindings: validate, then launch on the current stream under a device guard. Nothing here
 // reads device data (no host sync, so the ops are CUDA-graph safe) unless MINIPAGED_VALIDATE=1.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+
+#if defined(MINIPAGED_EMULATION)
+#include "emulation/torch_cuda.h"  // the same bindings over the emulated kernels (src_cuda/emulation/)
+#else
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#define MINIPAGED_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(minipaged, CUDA, m)
+#endif
 
 #include "checks.h"
 #include "cuda/launch.h"
@@ -25,6 +31,7 @@ void check_launch(cudaError_t err, const char* op) {
 
 int sm_count(int device) {
   static int cached[64] = {};
+  device = std::max(device, 0);  // -1: the emulation's CPU tensors
   if (device < 64 && cached[device] == 0) {
     cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device);
   }
@@ -119,7 +126,7 @@ void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(minipaged, CUDA, m) {
+MINIPAGED_CUDA_LIBRARY_IMPL(m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cuda);
   m.impl("paged_attention_decode", &paged_attention_decode_cuda);
   m.impl("copy_blocks", &copy_blocks_cuda);
