@@ -9,7 +9,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import TOLERANCE, device_params, make_paged_case
+from conftest import TOLERANCE, device_params, make_paged_case, torch_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, plus a ratio over 8 and a non-power-of-two one.
@@ -68,7 +68,7 @@ def test_max_seq_len_hint(device):
 @pytest.mark.parametrize("device", device_params())
 def test_strided_query(device):
     case = make_paged_case([40, 3], 8, 4, 64, 8, torch.float32, device, seed=5)
-    fused = torch.randn(2, 8, 3 * 64, device=device)
+    fused = torch.randn(2, 8, 3 * 64, device=torch_device(device))
     fused[..., 64:128] = case["query"]
     case["query"] = fused[..., 64:128]  # a slice of a fused qkv projection
     assert not case["query"].is_contiguous()
