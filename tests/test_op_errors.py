@@ -52,6 +52,7 @@ CASES = [
     (call_write, "slot_mapping", lambda a: a["slot_mapping"].float(), "slot_mapping: expected dtype"),
     (call_write, "slot_mapping", lambda a: a["slot_mapping"][:4], "slot_mapping: expected shape"),
     (call_write, "slot_mapping", lambda a: torch.tensor([0, 1, 2, 48, 3], device=a["key"].device), "slot_mapping: slot 48"),
+    (call_write, "slot_mapping", lambda a: torch.tensor([0, 9, -1, 9, 20], device=a["key"].device), "slot 9 appears at indices 1 and 3"),
     (call_write, "key_cache", lambda a: a["key_cache"][:, :, :, :32], "key_cache"),
     (call_write, "value_cache", lambda a: a["value_cache"].half(), "value_cache: expected dtype"),
     (call_write, "key_cache", lambda a: a["key_cache"].transpose(0, 1).contiguous().transpose(0, 1), "key_cache: expected a contiguous"),

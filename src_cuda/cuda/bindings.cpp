@@ -53,7 +53,10 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
                     "key_cache/value_cache: expected 16-byte aligned storage (a view with an odd storage offset?)");
   if (max_seq_len.has_value())
     TORCH_CHECK_VALUE(*max_seq_len >= 0, "max_seq_len: expected a non-negative bound, got ", *max_seq_len);
-  if (validate_device_data()) check_decode_ranges(block_tables, seq_lens, layout);
+  if (validate_device_data()) {
+    check_decode_ranges(block_tables, seq_lens, layout);
+    check_max_seq_len(seq_lens, max_seq_len);
+  }
 
   const c10::cuda::CUDAGuard guard(query.device());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), width = block_tables.size(1);
@@ -80,6 +83,7 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
   args.seq_lens = lens.data_ptr<int32_t>();
   args.layout = layout;
   args.max_blocks_per_seq = width;
+  args.seq_len_bound = bound;
   args.num_seqs = static_cast<int>(num_seqs);
   args.num_heads = static_cast<int>(num_heads);
   args.scale = static_cast<float>(scale);

@@ -334,7 +334,7 @@ void run_grid(const LaunchConfig& c, void (*body)(void*), void* context) {
     last_error = cudaErrorInvalidValue;
     return;
   }
-  static const unsigned seed = seed_from_env();
+  const unsigned seed = seed_from_env();  // read per launch, so a test can vary it
   std::mt19937 rng(seed);
   const size_t threads = size_t{c.block.x} * c.block.y * c.block.z;
   // Exactly the bytes the launch asked for, so that ASan reports a read past them.
