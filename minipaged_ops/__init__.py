@@ -22,6 +22,7 @@ from ._ops import (
     copy_blocks,
     cpu_isa,
     paged_attention_decode,
+    paged_attention_prefill,
     reshape_and_cache,
     supported_cpu_isas,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "copy_blocks",
     "cpu_isa",
     "paged_attention_decode",
+    "paged_attention_prefill",
     "reference",
     "reshape_and_cache",
     "supported_cpu_isas",

@@ -81,3 +81,19 @@ def test_peers_checks_every_peer_and_prints_the_table(tmp_path):
     assert "minipaged paged: max |out - float64 reference| = " in out
     assert "ipex paged decode" in out  # timed, or said why it was left out
     assert (tmp_path / "peers_float32_2x64.csv").exists() and (tmp_path / "peers_float32_2x64.png").exists()
+
+
+def test_serve_quick_prints_every_row_and_writes_csv_and_png(tmp_path):
+    pytest.importorskip("transformers")
+    from minipaged_ops import integration
+
+    systems = "engine,transformers,static,roof" if hasattr(integration, "LLMEngine") else "transformers,static,roof"
+    out = run_bench("bench/serve.py", "--quick", "--no-progress", "--systems", systems, "--out", str(tmp_path))
+    for row in systems.split(","):
+        assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    # every system gives every request the tokens of the first one (greedy, float32)
+    for same in re.findall(r"\s(\d+)/(\d+)\s*$", out, re.M):
+        assert same[0] == same[1] == "8", out
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    lines = (tmp_path / "serve.csv").read_text().splitlines()
+    assert len(lines) == 1 + 8 * (len(systems.split(",")) - 1)
