@@ -325,3 +325,26 @@ def test_plan_step_packs_decodes_then_prefill_chunks():
     assert meta.slot_mapping.tolist() == bm.slot_mapping("a", 6) + bm.slot_mapping("b") + bm.slot_mapping("c", 7)
     with pytest.raises(ValueError, match="holds 9 tokens"):
         plan_step(bm, [ScheduledChunk("c", [8], 9)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_matches_generate_up_to_near_ties(dtype):
+    """In bf16/fp16 rounding may flip a near-tie: tokens equal, or where they first differ each
+    side's token is among the other's 5 most likely (as vLLM's tests compare), then stop."""
+    model = tiny_model("qwen3", vocab=VOCAB, dtype=dtype)
+    ref_model = tiny_model("qwen3", vocab=VOCAB, dtype=dtype)
+    ref_model.set_attn_implementation("sdpa")
+    prompts = prompts_of([12, 30, 5], seed=10)
+    engine = LLMEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=5), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ref = ref_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ref_tokens = ref.sequences[0, len(p):].tolist()
+        got = o.outputs[0]
+        assert got.logprobs is not None and len(got.logprobs) == len(got.token_ids) == 10
+        for step, (a, b) in enumerate(zip(ref_tokens, got.token_ids)):
+            if a != b:
+                assert a in got.logprobs[step], (step, a, b)
+                assert b in ref.logits[step][0].float().topk(5).indices.tolist(), (step, a, b)
+                break
