@@ -9,6 +9,11 @@ It generates for a ragged (left-padded) batch with ``attn_implementation="minipa
 tokens are equal (in bfloat16/float16: equal up to near-ties, see
 ``minipaged_ops.tiny.compare_greedy``), tokens/s of both, the KV memory the paged cache holds against a contiguous cache
 reserved for the maximum length, and what block sharing saves in an n=4 sampling run.
+
+Then the serving engine (``LLMEngine``): requests arrive over time into a pool smaller than
+their peak demand, a live line shows what runs, waits and is held, and at the end the capacity
+report (``engine.stats()``) and whether every request got the tokens ``generate()`` gives it
+alone.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def parse_args(argv=None):
                    help="model dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="FILE", help="write a PNG of KV blocks in use per step")
+    p.add_argument("--requests", type=int, default=16, help="requests sent to the engine (default 16; 0 skips it)")
+    p.add_argument("--rate", type=float, default=20.0, help="engine requests arriving per second (Poisson; default 20)")
     return p.parse_args(argv)
 
 
@@ -147,6 +154,24 @@ def same_tokens(ref, ref_logits, out, out_logits, prompt_width, dtype, top_k) ->
     verdict = "yes, up to near-ties" if ok else "NO"
     return ok, (f"{verdict} ({str(dtype).removeprefix('torch.')}: first differences {where}; each side's token "
                 f"{'is' if ok else 'is not always'} in the other's top-{top_k} there)")
+
+
+def format_report(stats: dict) -> str:
+    """``engine.stats()`` as aligned lines; latency percentiles in ms, bytes in MiB."""
+    lines = []
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            ms = key.endswith("_s")
+            text = "  ".join(f"{k} {v * 1e3:,.1f}" if ms else f"{k} {v}" for k, v in value.items())
+            key, text = (key[:-2] + "_ms", text) if ms else (key, text)
+        elif key.endswith("bytes") or "_bytes_" in key:
+            text = fmt_bytes(value)
+        elif isinstance(value, float):
+            text = f"{value:.3f}"
+        else:
+            text = str(value)
+        lines.append(f"  {key:26} {text}")
+    return "\n".join(lines)
 
 
 def fmt_bytes(n: float) -> str:
@@ -261,7 +286,71 @@ def main(argv=None) -> int:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"\nwrote {args.plot}")
-    return 0 if equal else 1
+    engine_ok = run_engine(model, args, device, dtype) if args.requests else True
+    return 0 if equal and engine_ok else 1
+
+
+def run_engine(model, args, device, dtype) -> bool:
+    """Requests arriving over time through LLMEngine on a pool of about half their peak demand."""
+    from tqdm.auto import tqdm
+
+    from minipaged_ops.integration import LLMEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (int(torch.randint(8, 96, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(args.requests)]
+    max_tokens = [int(torch.randint(8, args.max_new_tokens + 1, (1,), generator=g)) for _ in prompts]
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        t += float(torch.empty(1).exponential_(args.rate, generator=g))
+    bs = args.block_size
+    peak = sum(math.ceil((len(p) + m) / bs) for p, m in zip(prompts, max_tokens))
+    num_blocks = max(peak // 2, max(math.ceil((len(p) + m) / bs) for p, m in zip(prompts, max_tokens)) + 1)
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=bs, max_num_seqs=16, max_num_batched_tokens=256)
+    print(f"\nserving engine: {len(prompts)} requests arriving at {args.rate:g}/s (prompts 8-95 tokens, up to "
+          f"{args.max_new_tokens} new, greedy) into {num_blocks} blocks of {bs}: about half of their peak demand "
+          f"({peak} blocks)")
+    bar = tqdm(total=len(prompts), desc="engine", unit="req", file=sys.stderr, disable=None)
+    outputs, i, start = {}, 0, time.perf_counter()
+    while i < len(prompts) or engine.has_unfinished_requests():
+        while i < len(prompts) and start + arrivals[i] <= time.perf_counter():
+            engine.add_request(f"req-{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], ignore_eos=True))
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+                bar.update(1)
+        s = engine.stats()
+        bm = engine.block_manager
+        bar.set_postfix_str(f"running {s.get('running')}, waiting {s.get('waiting')}, "
+                            f"blocks {bm.num_blocks - bm.num_free_blocks}/{bm.num_blocks}, "
+                            f"preemptions {s.get('preemptions')}", refresh=False)
+    seconds = time.perf_counter() - start
+    bar.close()
+    generated = sum(len(v) for v in outputs.values())
+    print(f"done in {seconds:.1f} s: {generated} tokens, {generated / seconds:.1f} tokens/s")
+    print("capacity report (engine.stats()):")
+    print(format_report(engine.stats()))
+
+    # every request against generate() on its prompt alone (sdpa, DynamicCache)
+    model.set_attn_implementation("sdpa")
+    same = 0
+    with torch.no_grad():
+        for k, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+            ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False)
+            same += ref[0, len(prompt):].tolist() == list(outputs[f"req-{k}"])
+    if dtype == torch.float32:
+        print(f"engine outputs equal generate() on each prompt alone: {'yes' if same == len(prompts) else 'NO'} "
+              f"({same}/{len(prompts)} requests)")
+        return same == len(prompts)
+    print(f"engine outputs equal generate() on each prompt alone: {same}/{len(prompts)} requests "
+          f"(in {str(dtype).removeprefix('torch.')} near-ties may flip; exact equality is checked in float32)")
+    return True
 
 
 if __name__ == "__main__":
