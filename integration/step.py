@@ -28,6 +28,10 @@ import minipaged_ops
 __all__ = ["ScheduledChunk", "StepMetadata", "packed_attention", "plan_step", "prefill_attention"]
 
 
+# How prefill chunks attend: "auto" (the op when this build has it), "op", or "sdpa" (gather + SDPA).
+PREFILL_BACKEND = "auto"
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens of one sequence computed in a step."""
@@ -137,7 +141,7 @@ def prefill_attention(query, key_cache, value_cache, meta: StepMetadata, scale: 
     it, else a gather of each chunk's blocks and SDPA (a chunk without history attends to
     ``key``/``value``, this step's own rows, when given: no gather)."""
     nd = meta.num_decodes
-    if hasattr(torch.ops.minipaged, "paged_attention_prefill"):
+    if PREFILL_BACKEND == "op" or (PREFILL_BACKEND == "auto" and hasattr(torch.ops.minipaged, "paged_attention_prefill")):
         cu = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
         return torch.ops.minipaged.paged_attention_prefill(
             query.contiguous(), key_cache, value_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
