@@ -21,9 +21,9 @@ demo: build
 
 test: build $(TF_OLDEST_DIR)/.stamp
 	$(PY) -m pytest tests
-	@echo "--- integration tests again on transformers $(TF_OLDEST)"
+	@echo "--- integration and engine tests again on transformers $(TF_OLDEST)"
 	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_OLDEST)', t.__version__"
-	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k integration -p no:cacheprovider
+	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k "integration or engine" -p no:cacheprovider
 
 setup: $(VENV)/.deps-stamp
 
