@@ -5,9 +5,24 @@ The schemas live in C++ (src_cuda/registration.cpp); nothing here re-declares th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 _ops = torch.ops.minipaged
+
+
+@contextlib.contextmanager
+def dispatching_to(namespace: str) -> Iterator[None]:
+    """Within the block, the wrappers below call ``torch.ops.<namespace>`` (same schemas), e.g.
+    ``minipaged_emu``, the emulated CUDA kernels (see ``minipaged_ops.emulation``)."""
+    global _ops
+    previous, _ops = _ops, getattr(torch.ops, namespace)
+    try:
+        yield
+    finally:
+        _ops = previous
 
 
 def reshape_and_cache(

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace minipaged {
@@ -75,11 +76,18 @@ CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& val
 void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout) {
   at::Tensor slots = host_int64(slot_mapping);
   const int64_t* s = slots.data_ptr<int64_t>();
+  // Tokens are written in parallel on both backends, so two tokens for one slot have no defined
+  // winner: that input is rejected (the CUDA path checks it under MINIPAGED_VALIDATE=1 only).
+  std::unordered_map<int64_t, int64_t> first_index;
   for (int64_t i = 0; i < slots.numel(); ++i) {
     TORCH_CHECK_VALUE(s[i] < layout.num_slots(), "slot_mapping: slot ", s[i], " at index ", i,
                       " is out of range: the cache holds ", layout.num_slots(), " slots (",
                       layout.num_blocks, " blocks x ", layout.block_size,
                       "); use a negative slot to skip a token");
+    if (s[i] < 0) continue;
+    const auto [it, fresh] = first_index.emplace(s[i], i);
+    TORCH_CHECK_VALUE(fresh, "slot_mapping: slot ", s[i], " appears at indices ", it->second, " and ", i,
+                      "; each slot takes at most one token per call");
   }
 }
 
@@ -178,6 +186,13 @@ int64_t check_prefill_ranges(const at::Tensor& block_tables, const at::Tensor& c
   TORCH_CHECK_VALUE(c[num_seqs] == total_q, "cu_seqlens_q: expected cu_seqlens_q[-1] = ", total_q,
                     " (total_q, the rows of query), got ", c[num_seqs]);
   return longest;
+}
+
+void check_max_seq_len(const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len) {
+  if (!max_seq_len.has_value() || seq_lens.numel() == 0) return;
+  const int64_t longest = host_int64(seq_lens).max().item<int64_t>();
+  TORCH_CHECK_VALUE(longest <= *max_seq_len, "max_seq_len: ", *max_seq_len,
+                    " is smaller than the longest sequence in seq_lens (", longest, ")");
 }
 
 CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache,

@@ -8,6 +8,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "cache_layout.h"
 
 namespace minipaged {
@@ -24,6 +26,8 @@ CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tens
                                          const at::Tensor& block_tables, const at::Tensor& seq_lens);
 void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const CacheLayout& layout);
+// max_seq_len, when given, must bound every seq_len (the CUDA kernel clamps to it unchecked).
+void check_max_seq_len(const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len);
 
 // The decode op's checks, for packed queries [total_q, num_heads, head_dim] whose sequence i
 // owns rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1].

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minipaged_ops  # noqa: F401  (loads the ops)
+from minipaged_ops import emulation
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Tolerances against a float64 reference fed the same (already rounded) inputs: the output
@@ -13,10 +14,36 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def device_params():
-    """Every device, with CUDA marked so it skips cleanly without a GPU."""
+def device_params(emu=True):
+    """Every device, with CUDA marked so it skips cleanly without a GPU.
+
+    "emu" runs the CUDA path (bindings and unchanged kernel source) on CPU tensors through the host
+    emulation (minipaged_ops.emulation): tensors go to torch_device("emu") == "cpu" and the
+    fixture below routes minipaged_ops' wrappers to torch.ops.minipaged_emu. `pytest -k emu`
+    selects these cases.
+    """
     cuda = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
-    return ["cpu", cuda]
+    if not emu:
+        return ["cpu", cuda]
+    emu = pytest.param("emu", marks=pytest.mark.skipif(not emulation.available(),
+                                                       reason=f"no CUDA emulation: {emulation.unavailable_reason()}"))
+    return ["cpu", cuda, emu]
+
+
+def torch_device(device):
+    """The torch device of a test device: the emulated CUDA kernels run on CPU tensors."""
+    return "cpu" if device == "emu" else device
+
+
+@pytest.fixture(autouse=True)
+def _dispatch_emulated_ops(request):
+    """Route minipaged_ops' wrappers to the emulated CUDA kernels for the "emu" cases."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("device") == "emu":
+        with emulation.dispatch():
+            yield
+    else:
+        yield
 
 
 def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, *,
@@ -60,6 +87,7 @@ def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dty
                 kv = key_cache[blk, :, pos % block_size]
                 query[s] = 0.3 * query[s] + 3.0 * kv.repeat_interleave(num_heads // num_kv_heads, 0)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    device = torch_device(device)
     to = lambda t: t.to(device=device, dtype=dtype)
     return dict(query=to(query), key_cache=to(key_cache), value_cache=to(value_cache),
                 block_tables=block_tables.to(device), seq_lens=seq_lens_t.to(device))

@@ -64,12 +64,12 @@ def decode_args(device, dtype=torch.float32):
     return (case["query"], case["key_cache"], case["value_cache"], case["block_tables"], case["seq_lens"], 0.125)
 
 
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", device_params(emu=False))  # opcheck of torch.ops.minipaged itself
 def test_opcheck_paged_attention_decode(device):
     torch.library.opcheck(torch.ops.minipaged.paged_attention_decode.default, decode_args(device))
 
 
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", device_params(emu=False))  # opcheck of torch.ops.minipaged itself
 def test_opcheck_reshape_and_cache(device):
     kc = torch.zeros(4, 2, 16, 64, device=device)
     args = (torch.randn(5, 2, 64, device=device), torch.randn(5, 2, 64, device=device), kc, torch.zeros_like(kc),
@@ -77,7 +77,7 @@ def test_opcheck_reshape_and_cache(device):
     torch.library.opcheck(torch.ops.minipaged.reshape_and_cache.default, args)
 
 
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", device_params(emu=False))  # opcheck of torch.ops.minipaged itself
 def test_opcheck_copy_blocks(device):
     kc = torch.randn(4, 2, 16, 64, device=device)
     args = (kc, torch.randn_like(kc), torch.tensor([[0, 2], [1, 3]], device=device))

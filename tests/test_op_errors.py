@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import minipaged_ops
-from conftest import device_params
+from conftest import device_params, torch_device
 
 ERRORS = (RuntimeError, ValueError)
 
 
 def good_inputs(device, dtype=torch.float32):
+    device = torch_device(device)
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(6, 2, 8, 64, generator=g).to(device=device, dtype=dtype)
     return dict(
@@ -51,6 +52,7 @@ CASES = [
     (call_write, "slot_mapping", lambda a: a["slot_mapping"].float(), "slot_mapping: expected dtype"),
     (call_write, "slot_mapping", lambda a: a["slot_mapping"][:4], "slot_mapping: expected shape"),
     (call_write, "slot_mapping", lambda a: torch.tensor([0, 1, 2, 48, 3], device=a["key"].device), "slot_mapping: slot 48"),
+    (call_write, "slot_mapping", lambda a: torch.tensor([0, 9, -1, 9, 20], device=a["key"].device), "slot 9 appears at indices 1 and 3"),
     (call_write, "key_cache", lambda a: a["key_cache"][:, :, :, :32], "key_cache"),
     (call_write, "value_cache", lambda a: a["value_cache"].half(), "value_cache: expected dtype"),
     (call_write, "key_cache", lambda a: a["key_cache"].transpose(0, 1).contiguous().transpose(0, 1), "key_cache: expected a contiguous"),
@@ -111,20 +113,22 @@ def test_max_seq_len_smaller_than_a_sequence():
                                              a["seq_lens"], 0.125, max_seq_len=10)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_out_of_range_data_stays_inside_the_cache(monkeypatch):
+@pytest.mark.parametrize("device", device_params()[1:])  # the CUDA path: on a GPU and emulated
+def test_cuda_out_of_range_data_stays_inside_the_cache(device, monkeypatch):
     """Without MINIPAGED_VALIDATE, bad indices on CUDA are clamped or skipped, never followed."""
     monkeypatch.delenv("MINIPAGED_VALIDATE", raising=False)
-    a = good_inputs("cuda")
-    guard = torch.full((6, 2, 8, 64), 7.0, device="cuda")
-    a["block_tables"] = torch.tensor([[5, 99], [-4, 2], [3, 4]], dtype=torch.int32, device="cuda")
-    a["seq_lens"] = torch.tensor([1000, 9, -5], dtype=torch.int32, device="cuda")
+    a = good_inputs(device)
+    dev = torch_device(device)
+    guard = torch.full((6, 2, 8, 64), 7.0, device=dev)
+    a["block_tables"] = torch.tensor([[5, 99], [-4, 2], [3, 4]], dtype=torch.int32, device=dev)
+    a["seq_lens"] = torch.tensor([1000, 9, -5], dtype=torch.int32, device=dev)
     out = minipaged_ops.paged_attention_decode(a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
                                                a["seq_lens"], 0.125)
     assert torch.isfinite(out).all() and (out[2] == 0).all()
-    a["slot_mapping"] = torch.tensor([0, 10**9, -1, 48, 20], device="cuda")
+    a["slot_mapping"] = torch.tensor([0, 10**9, -1, 48, 20], device=dev)
     call_write(a)
-    a["block_mapping"] = torch.tensor([[0, 600], [-1, 4]], device="cuda")
+    a["block_mapping"] = torch.tensor([[0, 600], [-1, 4]], device=dev)
     call_copy(a)
-    torch.cuda.synchronize()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     assert (guard == 7.0).all()

@@ -9,7 +9,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import TOLERANCE, device_params, make_paged_case
+from conftest import TOLERANCE, device_params, make_paged_case, torch_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, plus a ratio over 8 and a non-power-of-two one.
@@ -68,7 +68,7 @@ def test_max_seq_len_hint(device):
 @pytest.mark.parametrize("device", device_params())
 def test_strided_query(device):
     case = make_paged_case([40, 3], 8, 4, 64, 8, torch.float32, device, seed=5)
-    fused = torch.randn(2, 8, 3 * 64, device=device)
+    fused = torch.randn(2, 8, 3 * 64, device=torch_device(device))
     fused[..., 64:128] = case["query"]
     case["query"] = fused[..., 64:128]  # a slice of a fused qkv projection
     assert not case["query"].is_contiguous()
@@ -91,3 +91,61 @@ def test_cpu_head_dim_not_in_cuda_list(device):
     else:
         with pytest.raises(ValueError, match="head_dim"):
             minipaged_ops.paged_attention_decode(**case, scale=1.0)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_scores_far_below_zero(dtype, device):
+    # Every score near -160: a softmax whose running max started at 0 would underflow to all zeros.
+    case = make_paged_case([1, 40, 300], 8, 2, 128, 16, torch.float32, "cpu", seed=13)
+    case["key_cache"] = case["key_cache"] * 0.5 + 8.0
+    case["value_cache"] = case["value_cache"] + 1.0
+    case["query"] = -case["query"].abs() - 1.0
+    case = {k: v.to(torch_device(device), dtype=dtype if v.is_floating_point() else v.dtype) for k, v in case.items()}
+    check(case, 128**-0.5, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_bitwise_reproducible(device, monkeypatch):
+    # Several partitions and a GQA tile of 8: the same input gives the same bits every run. On
+    # emu each run takes another random thread order, which reorders any order-dependent sum.
+    case = make_paged_case([700, 1, 4097], 16, 2, 128, 16, torch.float32, device, seed=17)
+    outs = []
+    for run in range(3):
+        monkeypatch.setenv("EMU_SEED", str(run + 1))
+        outs.append(minipaged_ops.paged_attention_decode(**case, scale=128**-0.5))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_max_seq_len_below_a_sequence(device, monkeypatch):
+    # A max_seq_len that does not bound seq_lens is bad input: the CPU (which reads seq_lens)
+    # rejects it, as does CUDA under MINIPAGED_VALIDATE=1; unchecked, CUDA attends to exactly the
+    # first max_seq_len tokens (no more: the grid is sized from it).
+    case = make_paged_case([100, 7, 64], 8, 4, 64, 16, torch.float32, device, seed=11)
+    monkeypatch.setenv("MINIPAGED_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"max_seq_len: 50 is smaller than the longest sequence in seq_lens \(100\)"):
+        minipaged_ops.paged_attention_decode(**case, scale=0.125, max_seq_len=50)
+    if device == "cpu":
+        return
+    monkeypatch.delenv("MINIPAGED_VALIDATE")
+    for bound in (50, 0):
+        clamped = dict(case, seq_lens=case["seq_lens"].clamp(max=bound))
+        expected = minipaged_ops.paged_attention_decode(**clamped, scale=0.125)
+        got = minipaged_ops.paged_attention_decode(**case, scale=0.125, max_seq_len=bound)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)  # other partitions: last bits may differ
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_batch_over_65535_sequences(device):
+    # Sequences once sat on gridDim.y, which stops at 65,535.
+    num_seqs = 65_537
+    small = make_paged_case([5, 0, 3, 9], 1, 1, 64, 8, torch.float32, device, seed=19)
+    pick = torch.tensor([0, 1, 2] + [1] * (num_seqs - 4) + [3])
+    case = dict(small, query=small["query"][pick.to(small["query"].device)],
+                block_tables=small["block_tables"][pick.to(small["query"].device)],
+                seq_lens=small["seq_lens"][pick.to(small["query"].device)])
+    out = minipaged_ops.paged_attention_decode(**case, scale=0.125)
+    expected = minipaged_ops.paged_attention_decode(**small, scale=0.125)
+    torch.testing.assert_close(out[[0, 1, 2, num_seqs - 1]], expected, atol=1e-6, rtol=1e-6)
+    assert (out[3:num_seqs - 1] == 0).all()

@@ -7,7 +7,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import device_params
+from conftest import device_params, torch_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -21,6 +21,7 @@ def nan_equal(a, b):
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_writes_exactly_the_mapped_slots(dtype, block_size, slot_dtype, device):
+    device = torch_device(device)
     g = torch.Generator().manual_seed(block_size)
     num_blocks, heads, dim, tokens = 9, 4, 64, 40
     num_slots = num_blocks * block_size
@@ -47,6 +48,7 @@ def test_writes_exactly_the_mapped_slots(dtype, block_size, slot_dtype, device):
 
 @pytest.mark.parametrize("device", device_params())
 def test_strided_key_value(device):
+    device = torch_device(device)
     # key and value as slices of a fused qkv projection output, and a transposed view.
     tokens, heads, dim = 13, 2, 64
     qkv = torch.randn(tokens, 3 * heads, dim, device=device)
@@ -64,6 +66,7 @@ def test_strided_key_value(device):
 
 @pytest.mark.parametrize("device", device_params())
 def test_zero_tokens(device):
+    device = torch_device(device)
     key_cache = torch.zeros(2, 1, 4, 64, device=device)
     value_cache = torch.zeros_like(key_cache)
     empty = torch.empty(0, 1, 64, device=device)
@@ -74,6 +77,7 @@ def test_zero_tokens(device):
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_copy_blocks(dtype, device):
+    device = torch_device(device)
     g = torch.Generator().manual_seed(1)
     key_cache = torch.randn(10, 2, 16, 64, generator=g).to(device=device, dtype=dtype)
     value_cache = torch.randn(10, 2, 16, 64, generator=g).to(device=device, dtype=dtype)

@@ -1,9 +1,15 @@
 // CUDA bindings: validate, then launch on the current stream under a device guard. Nothing here
 // reads device data (no host sync, so the ops are CUDA-graph safe) unless MINIPAGED_VALIDATE=1.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+
+#if defined(MINIPAGED_EMULATION)
+#include "emulation/torch_cuda.h"  // the same bindings over the emulated kernels (src_cuda/emulation/)
+#else
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#define MINIPAGED_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(minipaged, CUDA, m)
+#endif
 
 #include "checks.h"
 #include "cuda/launch.h"
@@ -25,6 +31,7 @@ void check_launch(cudaError_t err, const char* op) {
 
 int sm_count(int device) {
   static int cached[64] = {};
+  device = std::max(device, 0);  // -1: the emulation's CPU tensors
   if (device < 64 && cached[device] == 0) {
     cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device);
   }
@@ -46,7 +53,10 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
                     "key_cache/value_cache: expected 16-byte aligned storage (a view with an odd storage offset?)");
   if (max_seq_len.has_value())
     TORCH_CHECK_VALUE(*max_seq_len >= 0, "max_seq_len: expected a non-negative bound, got ", *max_seq_len);
-  if (validate_device_data()) check_decode_ranges(block_tables, seq_lens, layout);
+  if (validate_device_data()) {
+    check_decode_ranges(block_tables, seq_lens, layout);
+    check_max_seq_len(seq_lens, max_seq_len);
+  }
 
   const c10::cuda::CUDAGuard guard(query.device());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), width = block_tables.size(1);
@@ -73,6 +83,7 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
   args.seq_lens = lens.data_ptr<int32_t>();
   args.layout = layout;
   args.max_blocks_per_seq = width;
+  args.seq_len_bound = bound;
   args.num_seqs = static_cast<int>(num_seqs);
   args.num_heads = static_cast<int>(num_heads);
   args.scale = static_cast<float>(scale);
@@ -119,7 +130,7 @@ void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(minipaged, CUDA, m) {
+MINIPAGED_CUDA_LIBRARY_IMPL(m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cuda);
   m.impl("paged_attention_decode", &paged_attention_decode_cuda);
   m.impl("copy_blocks", &copy_blocks_cuda);

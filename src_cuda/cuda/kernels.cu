@@ -115,10 +115,8 @@ __device__ void block_reduce(float (&x)[G], float* scratch /* [kWarps][G] */) {
 }
 
 __device__ __forceinline__ int clamped_seq_len(const DecodeArgs& a, int seq) {
-  const int64_t capacity = min(a.max_blocks_per_seq * a.layout.block_size,
-                               static_cast<int64_t>(a.num_partitions) * a.partition_tokens);
   const int64_t len = a.seq_lens[seq] > 0 ? a.seq_lens[seq] : 0;
-  return static_cast<int>(len < capacity ? len : capacity);
+  return static_cast<int>(len < a.seq_len_bound ? len : a.seq_len_bound);
 }
 
 template <typename T, int HEAD_DIM, int G>
@@ -132,10 +130,10 @@ decode_kernel(const DecodeArgs a) {
 
   const int group = a.num_heads / static_cast<int>(a.layout.num_kv_heads);
   const int tiles = (group + G - 1) / G;
-  const int kv_head = blockIdx.x / tiles;
-  const int head0 = kv_head * group + (blockIdx.x % tiles) * G;
+  const int kv_head = blockIdx.y / tiles;
+  const int head0 = kv_head * group + (blockIdx.y % tiles) * G;
   const int heads = min(G, kv_head * group + group - head0);  // live heads in this tile
-  const int seq = blockIdx.y, part = blockIdx.z;
+  const int seq = blockIdx.x, part = blockIdx.z;  // sequences on x: up to 2^31 - 1 of them
   const int seq_len = clamped_seq_len(a, seq);
   const int begin = part * a.partition_tokens;
   const int end = min(seq_len, begin + a.partition_tokens);
@@ -159,7 +157,6 @@ decode_kernel(const DecodeArgs a) {
         const T* qp = query + seq * a.query_seq_stride + min(head0 + g, head0 + heads - 1) * a.query_head_stride;
         q[g][v * R::kVec + i] = Vec<T>::load1(qp + R::elem(v, lane_in_token) + i) * a.scale;
       }
-  for (int i = threadIdx.x; i < G * HEAD_DIM; i += kThreads) out_acc[i] = 0.f;
 
   float acc[G][R::kElemsPerLane] = {};
   float run_max[G], run_sum[G];
@@ -273,16 +270,22 @@ decode_kernel(const DecodeArgs a) {
       for (int off = R::kLanesPerToken; off < 32; off *= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
       acc[g][i] = x;
     }
-  if (token_in_warp == 0) {
+  // Warps add into out_acc one after another, in a fixed order, so the output is bitwise the same
+  // run to run (shared-memory atomics would add in arrival order). Warp 0 stores: no zeroing.
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w && token_in_warp == 0) {
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int v = 0; v < R::kVecsPerLane; ++v)
+        for (int v = 0; v < R::kVecsPerLane; ++v)
 #pragma unroll
-        for (int i = 0; i < R::kVec; ++i)
-          atomicAdd(&out_acc[g * HEAD_DIM + R::elem(v, lane_in_token) + i], acc[g][v * R::kVec + i]);
+          for (int i = 0; i < R::kVec; ++i) {
+            float& sum = out_acc[g * HEAD_DIM + R::elem(v, lane_in_token) + i];
+            sum = (w == 0 ? 0.f : sum) + acc[g][v * R::kVec + i];
+          }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   // g is a compile-time index here so run_max/run_sum stay in registers (no local memory).
 #pragma unroll
@@ -307,7 +310,7 @@ decode_kernel(const DecodeArgs a) {
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads)
 merge_partitions_kernel(const DecodeArgs a) {
-  const int head = blockIdx.x, seq = blockIdx.y;
+  const int seq = blockIdx.x, head = blockIdx.y;
   const int parts = (clamped_seq_len(a, seq) + a.partition_tokens - 1) / a.partition_tokens;
   const int64_t sh = static_cast<int64_t>(seq) * a.num_heads + head;
   const float* pmax = a.partial_max + sh * a.num_partitions;
@@ -328,12 +331,12 @@ merge_partitions_kernel(const DecodeArgs a) {
 template <typename T, int HEAD_DIM, int G>
 cudaError_t launch_decode_tile(const DecodeArgs& a, cudaStream_t stream) {
   const int group = a.num_heads / static_cast<int>(a.layout.num_kv_heads);
-  const dim3 grid(static_cast<unsigned>(a.layout.num_kv_heads * ((group + G - 1) / G)), a.num_seqs,
+  const dim3 grid(a.num_seqs, static_cast<unsigned>(a.layout.num_kv_heads * ((group + G - 1) / G)),
                   a.num_partitions);
   const size_t smem = sizeof(float) * (G * kChunk + G * HEAD_DIM + kWarps * G);
   decode_kernel<T, HEAD_DIM, G><<<grid, kThreads, smem, stream>>>(a);
   if (a.num_partitions > 1)
-    merge_partitions_kernel<T, HEAD_DIM><<<dim3(a.num_heads, a.num_seqs), kThreads, 0, stream>>>(a);
+    merge_partitions_kernel<T, HEAD_DIM><<<dim3(a.num_seqs, a.num_heads), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

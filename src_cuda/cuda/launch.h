@@ -22,6 +22,7 @@ struct DecodeArgs {
   const int32_t* seq_lens;      // [num_seqs]
   CacheLayout layout;
   int64_t max_blocks_per_seq;
+  int64_t seq_len_bound;     // seq_lens are clamped to this: max_seq_len, or what block_tables address
   int num_seqs, num_heads;
   float scale;
   int num_partitions;        // 1: single pass writes `out`; >1: split-K through the buffers below
