@@ -15,7 +15,6 @@ import argparse
 import math
 import sys
 import time
-import warnings
 
 import torch
 
@@ -51,20 +50,14 @@ def parse_args(argv=None):
 
 
 def build_model(args, device, dtype):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from minipaged_ops.tiny import tiny_model
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=max(4096, args.prompt + args.new),
-        pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=True,
+    return tiny_model(
+        "qwen3", vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        max_positions=max(4096, args.prompt + args.new), init_range=None, tie_embeddings=True,
+        dtype=dtype, device=device,
     )
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype).eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def make_inputs(args, device):
@@ -86,7 +79,7 @@ def sync(device):
 
 def run_row(model, kind, compiled, args, ids, mask, device):
     """Best wall time of ``generate`` for one row, its output, and the paged cache (if any)."""
-    from minipaged_ops.integration import PagedKVCache
+    from minipaged_ops.integration import PagedKVCache, _compat
 
     gen = dict(attention_mask=mask, max_new_tokens=args.new, do_sample=False, pad_token_id=0)
     cache = None
@@ -110,8 +103,8 @@ def run_row(model, kind, compiled, args, ids, mask, device):
         for i in range(args.repeats + (1 if compiled else 0)):  # compiled: first run compiles
             kwargs = dict(gen)
             if kind == "paged":
-                cache = PagedKVCache(model.config, num_blocks, args.block_size)
-                kwargs["past_key_values"] = cache
+                cache = PagedKVCache(model, num_blocks, args.block_size)
+                kwargs.update(_compat.cache_kwargs(cache))
             sync(device)
             start = time.perf_counter()
             with torch.no_grad():
@@ -125,7 +118,7 @@ def run_row(model, kind, compiled, args, ids, mask, device):
         # the prefill alone (one new token), to split the time into prefill and decode
         kwargs = dict(gen, max_new_tokens=1)
         if kind == "paged":
-            kwargs["past_key_values"] = PagedKVCache(model.config, num_blocks, args.block_size)
+            kwargs.update(_compat.cache_kwargs(PagedKVCache(model, num_blocks, args.block_size)))
         sync(device)
         start = time.perf_counter()
         with torch.no_grad():
@@ -141,7 +134,6 @@ def run_row(model, kind, compiled, args, ids, mask, device):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     import minipaged_ops.integration  # noqa: F401
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,4 +1,4 @@
-"""Registers, stack and spills of every CUDA kernel, from `nvcc -Xptxas -v` (no GPU needed).
+"""Registers, stack and spills of every CUDA kernel (each .cu in src_cuda/cuda), from `nvcc -Xptxas -v` (no GPU needed).
 
     python bench/ptxas_report.py            # sm_90
     python bench/ptxas_report.py --arch 80
@@ -25,16 +25,21 @@ def main(argv=None) -> None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         sys.exit("nvcc not found on PATH")
+    for source in sorted((ROOT / "src_cuda/cuda").glob("*.cu")):
+        report(nvcc, source, args.arch)
+
+
+def report(nvcc: str, source: Path, arch: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        done = subprocess.run([nvcc, "-std=c++20", "-O3", f"-arch=sm_{args.arch}", "-Xptxas", "-v",
-                               f"-I{ROOT / 'src_cuda'}", "-c", str(ROOT / "src_cuda/cuda/kernels.cu"),
-                               "-o", f"{tmp}/kernels.o"], capture_output=True, text=True)
+        done = subprocess.run([nvcc, "-std=c++20", "-O3", f"-arch=sm_{arch}", "-Xptxas", "-v",
+                               f"-I{ROOT / 'src_cuda'}", "-c", str(source), "-o", f"{tmp}/{source.stem}.o"],
+                              capture_output=True, text=True)
         seconds = time.perf_counter() - start
     if done.returncode:
         sys.exit(done.stderr)
     lines = done.stderr.splitlines()
-    print(f"nvcc sm_{args.arch}: kernels.cu compiled in {seconds:.1f} s")
+    print(f"nvcc sm_{arch}: {source.name} compiled in {seconds:.1f} s")
     print(f"{'kernel':60s} {'regs':>5s} {'stack':>6s} {'spill':>6s}")
     for i, line in enumerate(lines):
         m = re.search(r"Compiling entry function '(\S+)'", line)
@@ -49,7 +54,6 @@ def main(argv=None) -> None:
         spill = re.search(r"(\d+) bytes spill stores", info)
         print(f"{name:60s} {regs.group(1) if regs else '?':>5s} {stack.group(1) if stack else '?':>6s} "
               f"{spill.group(1) if spill else '?':>6s}")
-
 
 if __name__ == "__main__":
     main()

@@ -16,15 +16,25 @@ from minipaged_ops.block_manager import OutOfBlocksError
 from . import _compat
 from .attention import minipaged_attention_forward, minipaged_mask
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache, attach_hooks, detach_hooks
+from .engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
+from .step import ScheduledChunk, StepMetadata, plan_step
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CompletionOutput",
+    "LLMEngine",
     "OutOfBlocksError",
     "PagedKVCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "ScheduledChunk",
+    "StepMetadata",
     "attach_hooks",
     "detach_hooks",
     "minipaged_attention_forward",
     "minipaged_mask",
+    "plan_step",
     "register",
 ]
 

@@ -4,7 +4,8 @@ What moved between the releases we support:
 
 * 5.24 renamed the ``past_key_values`` argument of ``forward``/``generate`` to ``cache`` (the old
   name is still accepted, with a deprecation warning); a forward pre-hook sees whichever name the
-  caller used, so :func:`find_cache` looks for both.
+  caller used, so :func:`find_cache` looks for both, and :func:`cache_kwargs` gives callers the
+  name the installed release wants (``model.generate(ids, **cache_kwargs(cache))``).
 * 5.24's ``generate`` builds the attention masks itself for a compileable cache (also when there
   is no padding) and passes them to ``forward`` as a dict keyed by layer type; 5.17 only does so
   when a 2-D mask exists. :func:`padding_mask` accepts every form a forward may receive.
@@ -13,6 +14,8 @@ What moved between the releases we support:
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import transformers
@@ -41,6 +44,40 @@ if not (MIN_VERSION <= TRANSFORMERS_VERSION[:2] < MAX_VERSION):
 
 # Names under which a forward receives the cache, newest first.
 CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _cache_argument() -> str:
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# The name this release's generate()/forward() take the cache under, without a deprecation warning.
+CACHE_ARGUMENT = _cache_argument()
+
+
+def cache_kwargs(cache) -> dict:
+    """``{"cache": cache}`` on releases that renamed the argument, else ``{"past_key_values": cache}``."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``torch.compile``'s wrapper and PEFT's (``get_base_model()``), any depth.
+    Hooks go on that one: both wrappers end up calling it."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for _ in range(8):
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif callable(getattr(type(model), "get_base_model", None)):
+            inner = model.get_base_model()
+            if inner is model:
+                break
+            model = inner
+        else:
+            break
+    return model
 
 
 def register(name: str, attention_fn, mask_fn) -> None:

@@ -14,6 +14,7 @@ import torch
 import minipaged_ops
 
 from . import _compat
+from .step import StepMetadata, packed_attention
 
 
 def minipaged_attention_forward(
@@ -25,9 +26,24 @@ def minipaged_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     minipaged_cache=None,
+    minipaged_step: StepMetadata | None = None,
+    minipaged_kv_caches=None,
     **kwargs,
 ):
-    """``query`` is ``[batch, heads, q_len, head_dim]``; returns ``([batch, q_len, heads, head_dim], None)``."""
+    """``query`` is ``[batch, heads, q_len, head_dim]``; returns ``([batch, q_len, heads, head_dim], None)``.
+
+    ``minipaged_step`` (with ``minipaged_kv_caches``, one ``(key_cache, value_cache)`` per layer)
+    is the engine's packed step: batch 1, every scheduled token in one row."""
+    if minipaged_step is not None:
+        key_cache, value_cache = minipaged_kv_caches[module.layer_idx]
+        out = packed_attention(
+            query[0].transpose(0, 1).contiguous(),
+            key[0].transpose(0, 1).contiguous(),
+            value[0].transpose(0, 1).contiguous(),
+            key_cache, value_cache, minipaged_step,
+            query.shape[-1] ** -0.5 if scaling is None else scaling,
+        )
+        return out.unsqueeze(0), None
     if minipaged_cache is None or minipaged_cache._mode != "decode":
         return _compat.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

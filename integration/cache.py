@@ -77,8 +77,10 @@ class PagedKVCache(_compat.Cache):
     ``attn_implementation="minipaged"``.
 
     Args:
-        config: the model's config, or the model itself (then ``dtype``/``device`` default to the
-            model's and the cache attaches to it at once).
+        config: the model itself (best: the cache binds to it at once, and ``dtype``/``device``
+            default to the model's; a ``torch.compile`` or PEFT wrapper is unwrapped), or its config
+            (the cache then binds to the one live model built from that config object, and raises
+            ``ValueError`` if several share it).
         num_blocks: blocks in the pool (per layer; every layer holds its own pool of that size).
         block_size: token slots per block.
         enable_prefix_caching: full blocks are found again by their token prefix (across
@@ -86,9 +88,10 @@ class PagedKVCache(_compat.Cache):
         dtype, device: of the pools; default to the model's at the first forward.
 
     The cache needs a forward pre-hook on the model (it allocates blocks there, outside any
-    compiled region). It installs it itself: on the model passed in, or on every live model
-    whose ``config`` is the config passed in (found once, at construction), or on the model given
-    to :meth:`attach`.
+    compiled region). It installs it itself on the model it binds to: the model passed in, the
+    model given to :meth:`attach`, or the only live model whose ``config`` is the config passed
+    in (looked for at construction and, if none exists yet, again at the first ``generate``).
+    A forward of any other model with this cache is an error.
     """
 
     def __init__(
@@ -101,8 +104,10 @@ class PagedKVCache(_compat.Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        model = config if _compat.is_pretrained_model(config) else None
+        model = _compat.unwrap_model(config) if isinstance(config, torch.nn.Module) else None
         if model is not None:
+            if getattr(model, "config", None) is None:
+                raise TypeError(f"PagedKVCache: expected a transformers model or its config, got {type(config).__name__}")
             config = model.config
         self._source_config = config
         if hasattr(config, "get_text_config"):
@@ -146,6 +151,8 @@ class PagedKVCache(_compat.Cache):
         self.peak_blocks_used = 0
 
         if model is not None:
+            if dtype is not None and dtype != model.dtype:
+                raise ValueError(_dtype_mismatch(dtype, model.dtype))
             dtype = dtype if dtype is not None else model.dtype
             device = device if device is not None else model.device
         if dtype is not None or device is not None:
@@ -153,7 +160,7 @@ class PagedKVCache(_compat.Cache):
                 torch.device(device) if device is not None else torch.device("cpu"),
                 dtype if dtype is not None else (getattr(config, "dtype", None) or torch.get_default_dtype()),
             )
-        self._attached = False
+        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         if model is not None:
             self.attach(model)
         else:
@@ -189,10 +196,11 @@ class PagedKVCache(_compat.Cache):
         return list(self._rows)
 
     def attach(self, model: torch.nn.Module) -> "PagedKVCache":
-        """Install the (idempotent, cache-agnostic) pre/post forward hooks on ``model``, the
-        top-level module that ``generate`` or the user calls."""
+        """Bind the cache to ``model`` (a ``torch.compile`` or PEFT wrapper is unwrapped) and
+        install the (idempotent, cache-agnostic) pre/post forward hooks on it."""
+        model = _compat.unwrap_model(model)
         attach_hooks(model)
-        self._attached = True
+        self._models.add(model)
         return self
 
     def reset(self, clear_prefix_cache: bool = False) -> None:
@@ -241,7 +249,7 @@ class PagedKVCache(_compat.Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if not self._attached:
+        if not self._models:
             self._autoattach()
         return self._columns
 
@@ -291,6 +299,13 @@ class PagedKVCache(_compat.Cache):
             raise ValueError("PagedKVCache: the forward received neither input_ids nor inputs_embeds")
         batch, q = source.shape[:2]
         device = source.device
+        if model not in self._models:
+            if self._models or getattr(model, "config", None) is not self._source_config:
+                raise RuntimeError(
+                    f"PagedKVCache: a {type(model).__name__} that this cache is not attached to ran a forward "
+                    "with it; build the cache as PagedKVCache(model, ...) or call cache.attach(model)"
+                )
+            self._models.add(model)  # the hooks are on it already: the model of our config
         self._ensure_pools(device, model.dtype)
         tokens = input_ids.tolist() if input_ids is not None else None
         if self._rows and batch != len(self._rows):
@@ -298,17 +313,24 @@ class PagedKVCache(_compat.Cache):
                 f"PagedKVCache holds {len(self._rows)} sequences but the forward has batch {batch}; "
                 "call cache.reset() before generating for a new batch"
             )
-        if q == 1 and self._rows:
-            # decode: every row appends its token (generate never feeds padding after the prompt)
-            self._decode(tokens, device)
-        else:
-            past = self._columns
-            real = _compat.padding_mask(attention_mask, batch, past + q, device)
-            new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
-            if not self._rows:
-                self._start_batch(batch, q, tokens, new_real, device)
+        try:
+            if q == 1 and self._rows:
+                # decode: every row appends its token (generate never feeds padding after the prompt)
+                self._decode(tokens, device)
             else:
-                self._extend(q, tokens, new_real, real, past, device)
+                past = self._columns
+                real = _compat.padding_mask(attention_mask, batch, past + q, device)
+                new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
+                if not self._rows:
+                    self._start_batch(batch, q, tokens, new_real, device)
+                else:
+                    self._extend(q, tokens, new_real, real, past, device)
+        except OutOfBlocksError as err:
+            # the batch cannot go on: free it, so the cache is ready for the next generate
+            self.reset()
+            raise OutOfBlocksError(
+                f"{err} (the cache was reset: its sequences were released)", needed=err.needed, free=err.free
+            ) from None
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         self._step_columns = q
         self._in_step = True
@@ -445,13 +467,15 @@ class PagedKVCache(_compat.Cache):
         return getattr(self.config, "dtype", None) or torch.get_default_dtype()
 
     def _ensure_pools(self, device: torch.device, dtype: torch.dtype) -> None:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
         if self.key_cache:
             have = self.key_cache[0].device
             if have.type != device.type or (device.index is not None and have.index != device.index):
                 raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
+            if self.key_cache[0].dtype != dtype:
+                raise ValueError(_dtype_mismatch(self.key_cache[0].dtype, dtype))
             return
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         for _ in range(self.num_layers):
             k = torch.zeros(shape, dtype=dtype, device=device)
@@ -523,21 +547,39 @@ class PagedKVCache(_compat.Cache):
                 minipaged_ops.copy_blocks(k, v, mapping)
 
     def _autoattach(self) -> None:
-        """Attach to the live top-level model(s) built from this cache's config, if any."""
-        if any(getattr(m, "config", None) is self._source_config for m in _HOOKED):
-            self._attached = True  # a model of this config already carries the hooks
-            return
-        module_type = torch.nn.Module
-        # type() (not isinstance) so that dead weak proxies and lazy modules are never touched
-        found = [
-            obj
-            for obj in gc.get_objects()
-            if issubclass(type(obj), module_type) and getattr(obj, "config", None) is self._source_config
-        ]
-        inner = {id(m) for f in found for m in f.modules() if m is not f}
-        for model in found:
-            if id(model) not in inner:
-                self.attach(model)
+        """Attach to the live top-level model built from this cache's config, if there is exactly
+        one (none yet: try again at the first generate; several: ask for the model)."""
+        models = _models_built_from(self._source_config)
+        if len(models) > 1:
+            names = ", ".join(type(m).__name__ for m in models)
+            raise ValueError(
+                f"PagedKVCache(config): {len(models)} live models share this config ({names}), so the cache "
+                "cannot tell which one it is for; pass the model instead: PagedKVCache(model, ...), or "
+                "cache.attach(model)"
+            )
+        if models:
+            self.attach(models[0])
+
+
+def _models_built_from(config) -> list[torch.nn.Module]:
+    """The distinct live top-level models whose ``config`` is ``config`` (wrappers unwrapped)."""
+    module_type = torch.nn.Module
+    found: dict[int, torch.nn.Module] = {}
+    # type() (not isinstance) so that dead weak proxies and lazy modules are never touched
+    for obj in gc.get_objects():
+        if issubclass(type(obj), module_type) and getattr(obj, "config", None) is config:
+            model = _compat.unwrap_model(obj)
+            found[id(model)] = model
+    inner = {id(m) for f in found.values() for m in f.modules() if m is not f}
+    return [m for key, m in found.items() if key not in inner]
+
+
+def _dtype_mismatch(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
+    name = lambda d: str(d).removeprefix("torch.")
+    return (
+        f"PagedKVCache: the cache holds {name(cache_dtype)} but the model computes in {name(model_dtype)}; "
+        f"build the cache with dtype=torch.{name(model_dtype)} (or leave dtype unset)"
+    )
 
 
 # ---------------------------------------------------------------------- hooks
@@ -551,7 +593,6 @@ def attach_hooks(model: torch.nn.Module) -> None:
     pre = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     post = model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
     model._minipaged_hooks = (pre, post)
-    _HOOKED.add(model)
 
 
 def detach_hooks(model: torch.nn.Module) -> None:
@@ -561,10 +602,6 @@ def detach_hooks(model: torch.nn.Module) -> None:
         for h in handles:
             h.remove()
         model._minipaged_hooks = None
-        _HOOKED.discard(model)
-
-
-_HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 @torch.compiler.disable

@@ -16,7 +16,14 @@ except ImportError as err:  # pragma: no cover - only on a broken install
     ) from err
 
 from . import reference
-from ._ops import build_info, compiled_backends, copy_blocks, paged_attention_decode, reshape_and_cache
+from ._ops import (
+    build_info,
+    compiled_backends,
+    copy_blocks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    reshape_and_cache,
+)
 from .block_manager import KVBlockManager, OutOfBlocksError
 
 __all__ = [
@@ -26,6 +33,7 @@ __all__ = [
     "compiled_backends",
     "copy_blocks",
     "paged_attention_decode",
+    "paged_attention_prefill",
     "reference",
     "reshape_and_cache",
 ]

@@ -54,6 +54,29 @@ def paged_attention_decode(
     return _ops.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
 
 
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for the new tokens of several sequences over their cached K/V.
+
+    ``query`` is ``[total_q, num_heads, head_dim]``, sequence ``i``'s ``q_i`` new tokens in rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (int32 ``[n + 1]``). ``seq_lens`` (int32 ``[n]``) counts
+    each sequence's tokens *including* the new ones, whose K/V must already be in the cache; new
+    token ``j`` sits at position ``seq_lens[i] - q_i + j`` and sees positions up to its own.
+    Returns the query's shape and dtype. ``max_query_len``, if given, must bound every ``q_i``.
+    """
+    return _ops.paged_attention_prefill(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+    )
+
+
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy block ``src`` over block ``dst`` in both caches for each row of ``block_mapping``
     (int64 ``[n, 2]``); destinations must be distinct and not also sources."""
@@ -63,6 +86,13 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_mappin
 @torch.library.register_fake("minipaged::paged_attention_decode")
 def _paged_attention_decode_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None):
     torch._check(query.dim() == 3, lambda: f"query: expected 3-D [num_seqs, num_heads, head_dim], got {query.dim()}-D")
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("minipaged::paged_attention_prefill")
+def _paged_attention_prefill_fake(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                  max_query_len=None):
+    torch._check(query.dim() == 3, lambda: f"query: expected 3-D [total_q, num_heads, head_dim], got {query.dim()}-D")
     return query.new_empty(query.shape)
 
 

@@ -154,6 +154,76 @@ class KVBlockManager:
         bs, blocks = self.block_size, seq.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
+    # ------------------------------------------------------------------ batch accounting
+
+    def cached_prefix_length(self, token_ids) -> int:
+        """Leading tokens of a prompt that :meth:`create_sequence` would find cached now (a
+        multiple of ``block_size``, less than the prompt length; 0 without prefix caching)."""
+        tokens, _ = _normalize_tokens(token_ids, None)
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._lookup(tokens)[0]) * self.block_size
+
+    def blocks_needed_to_allocate(self, prompts: Sequence) -> int:
+        """Blocks that creating every prompt (token ids, or a token count) in order takes from
+        the free pool: an upper bound, exact for one prompt.
+
+        The first prompt's hits count exactly (a cached-but-free hit comes out of the pool).
+        For later prompts only hits on referenced blocks before their first cached-but-free hit
+        are certain (an earlier prompt's allocation may evict that block and cut the chain), so
+        the rest count as misses; sharing between prompts of the batch is not counted."""
+        needed = 0
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool):
+                tokens, n = _normalize_tokens(None, prompt)
+            else:
+                tokens, n = _normalize_tokens(prompt, None)
+            hits = self._lookup(tokens)[0] if self.enable_prefix_caching and tokens is not None else []
+            certain = 0
+            for b in hits:
+                if self._ref[b] == 0 and i > 0:
+                    break
+                certain += 1
+            from_pool = sum(1 for b in hits[:certain] if self._ref[b] == 0)
+            needed += -(-n // self.block_size) - certain + from_pool
+        return needed
+
+    def can_allocate(self, prompts: Sequence) -> bool:
+        """Whether creating every prompt in order fits in the free pool (see
+        :meth:`blocks_needed_to_allocate`)."""
+        return self.blocks_needed_to_allocate(prompts) <= self.num_free_blocks
+
+    def blocks_needed_to_append(self, appends) -> int:
+        """Blocks that appending ``n`` tokens to each sequence of ``appends`` (pairs
+        ``(seq_id, n)``, distinct ids) takes from the free pool: new blocks plus copy-on-write
+        copies. Exact, whatever the order of the appends.
+
+        ``k`` sequences appending into one shared last block held ``r`` times copy ``k`` times if
+        ``r > k``, else ``k - 1`` times (the last writer owns the block alone by then)."""
+        bs = self.block_size
+        needed = 0
+        writers: dict[int, int] = {}  # shared last block -> sequences appending into it
+        seen = set()
+        for seq_id, n in appends:
+            if seq_id in seen:
+                raise ValueError(f"appends: sequence {seq_id!r} appears twice")
+            seen.add(seq_id)
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(f"appends: token count for {seq_id!r} must be a non-negative int, got {n!r}")
+            seq = self._get(seq_id)
+            if n == 0:
+                continue
+            needed += -(-(seq.length + n) // bs) - len(seq.blocks)
+            if seq.length % bs and self._ref[seq.blocks[-1]] > 1:
+                writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
+        for block, k in writers.items():
+            needed += k if self._ref[block] > k else k - 1
+        return needed
+
+    def can_append(self, appends) -> bool:
+        """Whether :meth:`blocks_needed_to_append` fits in the free pool."""
+        return self.blocks_needed_to_append(appends) <= self.num_free_blocks
+
     # ------------------------------------------------------------------ sequences
 
     def create_sequence(self, seq_id, token_ids=None, num_tokens: Optional[int] = None) -> int:

@@ -50,6 +50,29 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     return out
 
 
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale: float):
+    """Causal ``softmax(Q·Kᵀ·scale)·V`` for each sequence's packed new tokens: new token ``j`` of
+    sequence ``i`` (``q_i`` of them) sits at position ``seq_lens[i] - q_i + j`` and sees positions
+    ``0 ..`` its own, read through the block table."""
+    num_kv_heads = key_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    out = torch.zeros_like(query)
+    offsets = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = offsets[s], offsets[s + 1]
+        if begin == end:
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        k = k.repeat_interleave(group, dim=0).to(query.dtype)
+        v = v.repeat_interleave(group, dim=0).to(query.dtype)
+        scores = torch.einsum("jhd,htd->hjt", query[begin:end], k) * scale
+        positions = torch.arange(seq_len - (end - begin), seq_len)
+        future = torch.arange(seq_len)[None, :] > positions[:, None]  # [q_i, seq_len]
+        scores = scores.masked_fill(future, float("-inf"))
+        out[begin:end] = torch.einsum("hjt,htd->jhd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:
     """For each row ``(src, dst)`` of ``block_mapping``, copy block ``src`` over block ``dst``."""
     for src, dst in block_mapping.tolist():

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -134,6 +135,57 @@ void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_l
                         block, " is out of range: expected a block id in [0, ", layout.num_blocks, ")");
     }
   }
+}
+
+CacheLayout check_paged_attention_prefill(const at::Tensor& query, const at::Tensor& key_cache,
+                                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens) {
+  CacheLayout layout = check_cache_pair(key_cache, value_cache);
+  TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == layout.head_dim,
+                    "query: expected shape [total_q, num_heads, ", layout.head_dim,
+                    "] (head_dim of key_cache), got ", query.sizes());
+  TORCH_CHECK_VALUE(query.size(1) > 0 && query.size(1) % layout.num_kv_heads == 0,
+                    "query: num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
+                    layout.num_kv_heads, ")");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query: expected dtype ",
+              key_cache.scalar_type(), " (that of key_cache), got ", query.scalar_type());
+  check_same_device(query, "query", key_cache);
+  check_same_device(block_tables, "block_tables", key_cache);
+  check_same_device(cu_seqlens_q, "cu_seqlens_q", key_cache);
+  check_same_device(seq_lens, "seq_lens", key_cache);
+  check_index_dtype(block_tables, "block_tables", /*allow_int64=*/false);
+  check_index_dtype(cu_seqlens_q, "cu_seqlens_q", /*allow_int64=*/false);
+  check_index_dtype(seq_lens, "seq_lens", /*allow_int64=*/false);
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens: expected shape [num_seqs], got ", seq_lens.sizes());
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+                    "block_tables: expected shape [", num_seqs, ", max_blocks_per_seq] (one row per entry of "
+                    "seq_lens), got ", block_tables.sizes());
+  TORCH_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) == num_seqs + 1, "cu_seqlens_q: expected shape [",
+                    num_seqs + 1, "] (num_seqs + 1 offsets into query), got ", cu_seqlens_q.sizes());
+  return layout;
+}
+
+int64_t check_prefill_ranges(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens, int64_t total_q, const CacheLayout& layout) {
+  check_decode_ranges(block_tables, seq_lens, layout);
+  at::Tensor cu = host_int64(cu_seqlens_q), lens = host_int64(seq_lens);
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t* l = lens.data_ptr<int64_t>();
+  const int64_t num_seqs = lens.numel();
+  TORCH_CHECK_VALUE(c[0] == 0, "cu_seqlens_q: expected cu_seqlens_q[0] = 0, got ", c[0]);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q = c[i + 1] - c[i];
+    TORCH_CHECK_VALUE(q >= 0, "cu_seqlens_q: must not decrease, but cu_seqlens_q[", i + 1, "] = ", c[i + 1],
+                      " < cu_seqlens_q[", i, "] = ", c[i]);
+    TORCH_CHECK_VALUE(q <= l[i], "cu_seqlens_q: sequence ", i, " has ", q, " new tokens but seq_lens[", i, "] = ",
+                      l[i], "; seq_lens counts the new tokens too, so q_i <= seq_lens[i]");
+    longest = std::max(longest, q);
+  }
+  TORCH_CHECK_VALUE(c[num_seqs] == total_q, "cu_seqlens_q: expected cu_seqlens_q[-1] = ", total_q,
+                    " (total_q, the rows of query), got ", c[num_seqs]);
+  return longest;
 }
 
 void check_max_seq_len(const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len) {

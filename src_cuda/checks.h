@@ -29,6 +29,16 @@ void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_l
 // max_seq_len, when given, must bound every seq_len (the CUDA kernel clamps to it unchecked).
 void check_max_seq_len(const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len);
 
+// The decode op's checks, for packed queries [total_q, num_heads, head_dim] whose sequence i
+// owns rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1].
+CacheLayout check_paged_attention_prefill(const at::Tensor& query, const at::Tensor& key_cache,
+                                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens);
+// check_decode_ranges, plus: cu_seqlens_q starts at 0, never decreases and ends at total_q, and
+// no sequence has more new tokens than tokens. Returns the longest q_i.
+int64_t check_prefill_ranges(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens, int64_t total_q, const CacheLayout& layout);
+
 CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const at::Tensor& block_mapping);
 void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layout);

@@ -15,6 +15,14 @@ TORCH_LIBRARY(minipaged, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int? max_seq_len=None) -> Tensor");
+  // Causal attention for the new tokens of several sequences, packed [total_q, num_heads, head_dim]
+  // (cu_seqlens_q: int32 [n + 1] offsets), over each sequence's paged history and themselves:
+  // new token j of sequence i sits at position seq_lens[i] - q_i + j. max_query_len, when given,
+  // bounds every q_i (the CUDA grid is sized from it instead of from total_q).
+  m.def(
+      "paged_attention_prefill(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale, "
+      "int? max_query_len=None) -> Tensor");
   // Copies whole blocks (src, dst) in both caches: the data side of copy-on-write.
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
   // What this build compiled, and why a backend is missing (e.g. no nvcc for a CUDA torch).

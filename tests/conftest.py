@@ -91,3 +91,19 @@ def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dty
     to = lambda t: t.to(device=device, dtype=dtype)
     return dict(query=to(query), key_cache=to(key_cache), value_cache=to(value_cache),
                 block_tables=block_tables.to(device), seq_lens=seq_lens_t.to(device))
+
+
+def make_prefill_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, *,
+                      seed=0):
+    """make_paged_case plus packed new-token queries: sequence i's last query_lens[i] tokens are
+    new (their K/V already in the cache), as paged_attention_prefill takes them."""
+    assert all(0 <= q <= n for q, n in zip(query_lens, seq_lens, strict=True))
+    case = make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    on = case["key_cache"].device  # where make_paged_case put the tensors
+    case["query"] = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(device=on, dtype=dtype)
+    offsets = [0]
+    for q in query_lens:
+        offsets.append(offsets[-1] + q)
+    case["cu_seqlens_q"] = torch.tensor(offsets, dtype=torch.int32, device=on)
+    return case

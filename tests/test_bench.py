@@ -66,3 +66,19 @@ bfloat16 / float32, paged bytes per second: 0.91
     assert cells[("float32", "minipaged paged"), "speedup_vs_sdpa"] == pytest.approx(1.99)
     assert cells[("bfloat16", "sdpa contiguous"), "pct_read_bw"] == pytest.approx(6)
     assert len(cells) == 8
+
+
+def test_serve_quick_prints_every_row_and_writes_csv_and_png(tmp_path):
+    pytest.importorskip("transformers")
+    from minipaged_ops import integration
+
+    systems = "engine,transformers,static,roof" if hasattr(integration, "LLMEngine") else "transformers,static,roof"
+    out = run_bench("bench/serve.py", "--quick", "--no-progress", "--systems", systems, "--out", str(tmp_path))
+    for row in systems.split(","):
+        assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    # every system gives every request the tokens of the first one (greedy, float32)
+    for same in re.findall(r"\s(\d+)/(\d+)\s*$", out, re.M):
+        assert same[0] == same[1] == "8", out
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    lines = (tmp_path / "serve.csv").read_text().splitlines()
+    assert len(lines) == 1 + 8 * (len(systems.split(",")) - 1)

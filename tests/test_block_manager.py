@@ -9,6 +9,7 @@ a wrong block table, a missed copy-on-write, a write into a shared block or a fa
 hit all show up as a sequence reading a value that is not its own history.
 """
 
+import copy
 import pickle
 import random
 from collections import Counter
@@ -139,6 +140,56 @@ class Harness:
         del self.hist[sid], self.vals[sid], self.known[sid]
         self._apply_copies()
 
+    def batch_create(self, prompts):
+        """Batch accounting: ``blocks_needed_to_allocate`` bounds what creating the prompts in
+        order takes (exactly for one prompt), and ``can_allocate`` promises only what succeeds."""
+        m = self.m
+        token_lists = [BASES[base][:length] + list(suffix) for base, length, suffix in prompts]
+        needed = m.blocks_needed_to_allocate(token_lists)
+        trial, ok = copy.deepcopy(m), True
+        try:
+            for k, tokens in enumerate(token_lists):
+                trial.create_sequence(("trial", k), tokens)
+        except OutOfBlocksError:
+            ok = False
+        if ok:
+            assert m.num_free_blocks - trial.num_free_blocks <= needed
+        if len(token_lists) == 1:
+            assert ok == (needed <= m.num_free_blocks)
+            if ok:
+                assert m.num_free_blocks - trial.num_free_blocks == needed
+        if m.can_allocate(token_lists):
+            assert ok, (needed, m.num_free_blocks)
+            for base, length, suffix in prompts:
+                self.create(base, length, suffix, True)
+
+    def batch_append(self, picks, counts):
+        """``blocks_needed_to_append`` is exact for any set of distinct sequences, CoW included."""
+        ids = sorted(self.hist)
+        if not ids:
+            return
+        chosen = list(dict.fromkeys(ids[i % len(ids)] for i in picks))
+        appends = list(zip(chosen, counts))
+        needed = self.m.blocks_needed_to_append(appends)
+        free = self.m.num_free_blocks
+        if not self.m.can_append(appends):
+            assert needed > free
+            trial = copy.deepcopy(self.m)
+            with pytest.raises(OutOfBlocksError):
+                for sid, n in appends:
+                    trial.append_tokens(sid, [0] * n)
+            return
+        writes = []
+        for sid, n in appends:
+            start = len(self.hist[sid])
+            writes.append((sid, start, self.m.append_tokens(sid, [1] * n)))
+            self._extend_vals(sid, [1] * n)
+        assert free - self.m.num_free_blocks == needed
+        self._apply_copies()  # the whole batch's copies first, then its writes (one engine step)
+        for sid, start, slots in writes:
+            for k, slot in enumerate(slots):
+                self._write(sid, start + k, slot)
+
     def step(self, op):
         before = snapshot(self.m)
         try:
@@ -183,6 +234,11 @@ _op = st.one_of(
     st.tuples(st.just("extend"), _seq, st.lists(st.integers(0, ALPHABET - 1), max_size=20)),
     st.tuples(st.just("fork"), _seq),
     st.tuples(st.just("release"), _seq),
+    st.tuples(st.just("batch_create"), st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(0, ALPHABET - 1), max_size=4)),
+        min_size=1, max_size=4)),
+    st.tuples(st.just("batch_append"), st.lists(_seq, min_size=1, max_size=6),
+              st.lists(st.integers(0, 20), min_size=6, max_size=6)),
 )
 
 
@@ -214,7 +270,13 @@ def _fuzz_op(rng: random.Random):
         return ("extend", rng.randrange(1000), [tok() for _ in range(rng.randrange(21))])
     if r < 0.80:
         return ("fork", rng.randrange(1000))
-    return ("release", rng.randrange(1000))
+    if r < 0.95:
+        return ("release", rng.randrange(1000))
+    if r < 0.975:
+        return ("batch_create", [(rng.randrange(3), rng.randrange(41), [tok() for _ in range(rng.randrange(4))])
+                                 for _ in range(rng.randrange(1, 4))])
+    return ("batch_append", [rng.randrange(1000) for _ in range(rng.randrange(1, 6))],
+            [rng.randrange(9) for _ in range(6)])
 
 
 @pytest.mark.parametrize("block_size,num_blocks,hash_fn", [(2, 40, weak_hash), (16, 12, None)],

@@ -1,7 +1,8 @@
 """transformers end to end: Qwen3 generate() on a PagedKVCache against transformers' sdpa.
 
-Tiny random Qwen3 models built offline (float32, seeded, weights scaled up so that greedy
-choices are not near-ties). Runs on the CPU kernels; also under transformers 5.17 via
+Tiny random Qwen3 models built offline (``minipaged_ops.tiny``: seeded, weights scaled up so that
+greedy choices are not near-ties). float32 outputs must be equal; bfloat16 ones equal up to
+near-ties (``compare_greedy``). Runs on the CPU kernels; also under transformers 5.17 via
 ``make test`` (``PYTHONPATH=.venv/transformers-5.17.0``).
 """
 
@@ -20,57 +21,45 @@ integration = pytest.importorskip("minipaged_ops.integration")
 
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from minipaged_ops.integration import OutOfBlocksError, PagedKVCache  # noqa: E402
+from minipaged_ops import tiny  # noqa: E402
+from minipaged_ops.integration import OutOfBlocksError, PagedKVCache, _compat  # noqa: E402
 
 VOCAB = 192
-PAD = 0
-
-# `past_key_values=` works on every supported release (5.24 renamed it to `cache` and warns)
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+PAD = tiny.PAD
+# every test runs with deprecation warnings as errors: the cache goes in under the name the
+# installed release wants (`cache=` from 5.24 on, `past_key_values=` before)
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(heads: int = 4, kv_heads: int = 2, head_dim: int = 64, hidden: int = 64, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=512,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=None,
-        initializer_range=0.5,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    return model
+def tiny_model(heads: int = 4, kv_heads: int = 2, head_dim: int = 64, hidden: int = 64, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
+    return tiny.tiny_model("qwen3", heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden, vocab=VOCAB,
+                           seed=seed, dtype=dtype)
 
 
 def ragged_batch(lengths, seed=0, width=None):
-    """Left-padded ``input_ids``/``attention_mask`` with the given real lengths."""
-    g = torch.Generator().manual_seed(seed)
-    width = width or max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    return tiny.ragged_batch(lengths, VOCAB, seed=seed, width=width)
 
 
 def generate(model, impl, ids, mask, cache=None, seed=0, **kwargs):
     model.set_attn_implementation(impl)
     torch.manual_seed(seed)
-    extra = {} if cache is None else {"past_key_values": cache}
+    extra = {} if cache is None else _compat.cache_kwargs(cache)
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, pad_token_id=PAD, **extra, **kwargs)
+
+
+def assert_same_greedy(model, ids, mask, ref, out):
+    """float32: equal; bfloat16/float16: equal up to near-ties (``ref``/``out`` are generate's
+    dict outputs with logits)."""
+    if model.dtype == torch.float32:
+        assert torch.equal(out.sequences, ref.sequences)
+        return
+    width = ids.shape[1]
+    matches = tiny.compare_greedy(ref.sequences[:, width:], torch.stack(ref.logits, 1),
+                                  out.sequences[:, width:], torch.stack(out.logits, 1))
+    assert all(m.close for m in matches), matches
 
 
 def blocks_bound(cache: PagedKVCache) -> int:
@@ -89,18 +78,21 @@ def check_memory(cache: PagedKVCache):
 # ---------------------------------------------------------------------------- equality
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
     [(4, 2, 64, 8), (4, 1, 128, 16), (2, 2, 64, 32), (8, 2, 128, 8)],
     ids=["gqa2-d64-bs8", "gqa4-d128-bs16", "mha-d64-bs32", "gqa4-d128-bs8"],
 )
-def test_greedy_ragged_batch_matches_sdpa(heads, kv_heads, head_dim, block_size):
-    model = tiny_model(heads, kv_heads, head_dim)
+def test_greedy_ragged_batch_matches_sdpa(heads, kv_heads, head_dim, block_size, dtype):
+    model = tiny_model(heads, kv_heads, head_dim, dtype=dtype)
     ids, mask = ragged_batch([13, 5, 21, 1], seed=heads + head_dim)
-    ref = generate(model, "sdpa", ids, mask, max_new_tokens=24, do_sample=False)
+    kwargs = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = generate(model, "sdpa", ids, mask, **kwargs)
     cache = PagedKVCache(model.config, num_blocks=64, block_size=block_size)
-    out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=24, do_sample=False)
-    assert torch.equal(out, ref)
+    out = generate(model, "minipaged", ids, mask, cache, **kwargs)
+    assert_same_greedy(model, ids, mask, ref, out)
+    assert cache.key_cache[0].dtype == dtype
     u = check_memory(cache)
     # the cache holds prompt + generated - 1 tokens per row, pads never
     lengths = [cache.block_manager.sequence_length(s) for s in cache.sequence_ids]
@@ -184,6 +176,7 @@ def test_reset_frees_everything_and_reuse_hits_prefix_cache():
     ref = generate(model, "sdpa", ids, mask, max_new_tokens=10, do_sample=False)
     out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, ref)
+    first_tables = [cache.block_manager.block_table(s) for s in cache.sequence_ids]
     cache.reset()
     u = cache.usage()
     assert u["blocks_used"] == 0 and u["blocks_free"] == cache.num_blocks and u["sequences"] == 0
@@ -191,8 +184,12 @@ def test_reset_frees_everything_and_reuse_hits_prefix_cache():
     assert cache.get_seq_length() == 0
     out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, ref)
+    # each prompt's full blocks (20, 12, 17 tokens in blocks of 8: 2, 1, 2) were found again, the
+    # very blocks of the first run, each held by its one sequence
     tables = [cache.block_manager.block_table(s) for s in cache.sequence_ids]
-    assert any(cache.block_manager.ref_count(t[0]) >= 1 for t in tables)
+    for before, after, full in zip(first_tables, tables, (2, 1, 2)):
+        assert after[:full] == before[:full]
+        assert [cache.block_manager.ref_count(b) for b in after] == [1] * len(after)
     check_memory(cache)
     # a different batch after reset
     cache.reset()
@@ -240,12 +237,12 @@ def test_manual_decode_loop_with_plain_forward():
     ids, _ = ragged_batch([6, 6], seed=13)
     cache = PagedKVCache(model.config, num_blocks=16, block_size=8)
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(ids, **_compat.cache_kwargs(cache), use_cache=True).logits[:, -1]
         seq = ids
         for _ in range(5):
             nxt = logits.argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], 1)
-            logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(nxt, **_compat.cache_kwargs(cache), use_cache=True).logits[:, -1]
         model.set_attn_implementation("sdpa")
         ref_logits = model(seq).logits[:, -1]
     assert cache.get_seq_length() == seq.shape[1]
@@ -262,14 +259,17 @@ def test_pool_too_small_raises_out_of_blocks():
     with pytest.raises(OutOfBlocksError, match=r"needs .*8 blocks.* 5 of 5 are free"):
         generate(model, "minipaged", ids, mask, cache, max_new_tokens=4, do_sample=False)
     assert cache.block_manager.num_free_blocks == 5 and cache.block_manager.invariants_ok()
-    # room for the prompt but not for the generation: fails during decode, state consistent
+    # room for the prompt but not for the generation: fails during decode and leaves the cache
+    # clean (the dead batch released), so the next generate just works
     cache = PagedKVCache(model.config, num_blocks=8, block_size=8)
-    with pytest.raises(OutOfBlocksError) as info:
+    with pytest.raises(OutOfBlocksError, match="the cache was reset") as info:
         generate(model, "minipaged", ids, mask, cache, max_new_tokens=8, do_sample=False)
     assert info.value.needed > info.value.free
     assert cache.block_manager.invariants_ok()
-    cache.reset()
-    assert cache.block_manager.num_free_blocks == 8
+    assert cache.block_manager.num_free_blocks == 8 and cache.sequence_ids == [] and cache.get_seq_length() == 0
+    small, small_mask = ragged_batch([9, 3], seed=16)
+    ref = generate(model, "sdpa", small, small_mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(generate(model, "minipaged", small, small_mask, cache, max_new_tokens=6, do_sample=False), ref)
 
 
 def test_sliding_window_config_is_rejected_when_building_the_cache():
@@ -297,13 +297,65 @@ def test_bad_arguments_and_misuse():
         generate(model, "minipaged", ids3, mask3, cache, max_new_tokens=2)
 
 
+def test_cache_dtype_differing_from_the_model_is_a_clear_error():
+    model = tiny_model()
+    ids, mask = ragged_batch([4, 6], seed=17)
+    cache = PagedKVCache(model.config, num_blocks=16, block_size=8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"cache holds bfloat16 but the model computes in float32"):
+        generate(model, "minipaged", ids, mask, cache, max_new_tokens=2)
+    assert cache.block_manager.num_free_blocks == 16
+    with pytest.raises(ValueError, match=r"cache holds float16 but the model computes in float32"):
+        PagedKVCache(model, num_blocks=16, block_size=8, dtype=torch.float16)
+
+
+def test_cache_binds_through_a_compile_wrapper_made_first():
+    model = tiny_model(seed=21)  # a model of its own config: no other live model shares it
+    compiled = torch.compile(model, backend="eager")  # a wrapper exposing the same config
+    ids, mask = ragged_batch([7, 12], seed=18)
+    ref = generate(model, "sdpa", ids, mask, max_new_tokens=6, do_sample=False)
+    for cache in (PagedKVCache(model.config, num_blocks=16, block_size=8),
+                  PagedKVCache(compiled, num_blocks=16, block_size=8)):
+        assert torch.equal(generate(compiled, "minipaged", ids, mask, cache, max_new_tokens=6, do_sample=False), ref)
+    assert getattr(compiled, "_minipaged_hooks", None) is model._minipaged_hooks  # hooks on the model itself
+
+
+class _PeftLikeWrapper(torch.nn.Module):
+    """What the cache needs of a PEFT model: ``get_base_model()`` and the wrapped model's config."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def get_base_model(self):
+        return self.base_model
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+
+def test_cache_binds_explicitly_and_a_shared_config_is_ambiguous():
+    config = tiny.tiny_config("qwen3", vocab=VOCAB)
+    first, second = Qwen3ForCausalLM(config).eval(), Qwen3ForCausalLM(config).eval()  # one config object
+    ids, mask = ragged_batch([5, 9], seed=19)
+    ref = generate(second, "sdpa", ids, mask, max_new_tokens=5, do_sample=False)
+    with pytest.raises(ValueError, match=r"2 live models share this config .*PagedKVCache\(model"):
+        PagedKVCache(first.config, num_blocks=16, block_size=8)
+    cache = PagedKVCache(_PeftLikeWrapper(second), num_blocks=16, block_size=8)  # unwrapped, bound to `second`
+    assert torch.equal(generate(second, "minipaged", ids, mask, cache, max_new_tokens=5, do_sample=False), ref)
+    assert getattr(first, "_minipaged_hooks", None) is None  # the unrelated model was not touched
+    first_cache = PagedKVCache(first, num_blocks=16, block_size=8)
+    with pytest.raises(RuntimeError, match="not attached"), torch.no_grad():
+        second(ids, **_compat.cache_kwargs(first_cache))  # `second` is hooked, but bound to another cache
+
+
 def test_unattached_model_raises_clear_error():
     model = tiny_model()
     other = Qwen3ForCausalLM(model.config.__class__(**model.config.to_dict())).eval()
     other.set_attn_implementation("minipaged")
     cache = PagedKVCache(model.config, num_blocks=8, block_size=8)  # attaches to `model`, not `other`
     with pytest.raises(RuntimeError, match="attach"), torch.no_grad():
-        other(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        other(torch.tensor([[5, 6, 7]]), **_compat.cache_kwargs(cache))
 
 
 def test_registration_is_idempotent_and_import_is_lazy():

@@ -13,29 +13,17 @@ pytest.importorskip("minipaged_ops.integration")
 
 import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
-from transformers import CompileConfig, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
 
-from minipaged_ops.integration import PagedKVCache  # noqa: E402
+from minipaged_ops.integration import PagedKVCache, _compat  # noqa: E402
+from minipaged_ops.tiny import PAD, tiny_model  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
-]
-
-PAD = 0
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 
 def fresh_model(seed=0, heads=4, kv_heads=2, head_dim=64):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=None,
-        initializer_range=0.5, tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_model("qwen3", vocab=160, max_positions=256, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      seed=seed)
 
 
 def padded_batch(seed=0):
@@ -74,7 +62,8 @@ def test_compiled_forward_fullgraph_inductor_no_recompile_no_pool_copy():
 
     def run():
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64, do_sample=False)
+            return model.generate(ids, attention_mask=mask, **_compat.cache_kwargs(cache), max_new_tokens=64,
+                                  do_sample=False)
 
     pools = [t.data_ptr() for t in cache.key_cache + cache.value_cache]
     out, codes = run_and_get_code(run)
@@ -113,7 +102,8 @@ def test_transformers_compiled_generate_path():
     config._compile_all_devices = True  # transformers only auto-compiles on accelerators
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False, compile_config=config
+            ids, attention_mask=mask, **_compat.cache_kwargs(cache), max_new_tokens=40, do_sample=False,
+            compile_config=config,
         )
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

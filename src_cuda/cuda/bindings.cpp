@@ -137,3 +137,85 @@ MINIPAGED_CUDA_LIBRARY_IMPL(m) {
 }
 
 }  // namespace minipaged
+
+// ---- paged_attention_prefill (kernel in cuda/prefill.cu)
+namespace minipaged {
+namespace {
+
+at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
+                                        std::optional<int64_t> max_query_len) {
+  const CacheLayout layout =
+      check_paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens);
+  TORCH_CHECK_VALUE(cuda::decode_supports_head_dim(layout.head_dim), "key_cache: head_dim ", layout.head_dim,
+                    " is not supported by the CUDA prefill kernel (supported: 64, 128, 256)");
+  TORCH_CHECK_VALUE(query.stride(2) == 1, "query: expected the last dimension to be contiguous, got strides ",
+                    query.strides());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(key_cache.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(value_cache.data_ptr()) % 16 == 0,
+                    "key_cache/value_cache: expected 16-byte aligned storage (a view with an odd storage offset?)");
+  if (max_query_len.has_value())
+    TORCH_CHECK_VALUE(*max_query_len >= 0, "max_query_len: expected a non-negative bound, got ", *max_query_len);
+  const int64_t num_seqs = seq_lens.size(0), total_q = query.size(0), width = block_tables.size(1);
+  TORCH_CHECK_VALUE(num_seqs <= 65535, "seq_lens: at most 65535 sequences per call on CUDA, got ", num_seqs);
+  if (validate_device_data()) {
+    const int64_t longest = check_prefill_ranges(block_tables, cu_seqlens_q, seq_lens, total_q, layout);
+    if (max_query_len.has_value())
+      TORCH_CHECK_VALUE(longest <= *max_query_len, "max_query_len: ", *max_query_len,
+                        " is smaller than the most new tokens of a sequence in cu_seqlens_q (", longest, ")");
+  }
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty({total_q, query.size(1), layout.head_dim}, query.options());
+  if (total_q == 0 || num_seqs == 0) return out;
+  const int64_t group = query.size(1) / layout.num_kv_heads;
+  const int64_t q_bound = std::min(total_q, max_query_len.value_or(total_q));
+  const cuda::PrefillPlan plan = cuda::prefill_plan(q_bound, group, num_seqs, layout.num_kv_heads,
+                                                    width * layout.block_size, sm_count(query.get_device()));
+  TORCH_CHECK_VALUE(layout.num_kv_heads * plan.num_splits <= 65535, "key_cache: num_kv_heads x history splits (",
+                    layout.num_kv_heads, " x ", plan.num_splits, ") exceeds the CUDA grid's 65535");
+  at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(), cu = cu_seqlens_q.contiguous();
+
+  cuda::PrefillArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.query_token_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = tables.data_ptr<int32_t>();
+  args.cu_seqlens_q = cu.data_ptr<int32_t>();
+  args.seq_lens = lens.data_ptr<int32_t>();
+  args.layout = layout;
+  args.max_blocks_per_seq = width;
+  args.total_q = total_q;
+  args.num_seqs = static_cast<int>(num_seqs);
+  args.num_heads = static_cast<int>(query.size(1));
+  args.scale = static_cast<float>(scale);
+  args.query_tiles = plan.query_tiles;
+  args.num_splits = plan.num_splits;
+  args.split_tokens = plan.split_tokens;
+  at::Tensor partial_out, partial_stats;
+  if (plan.num_splits > 1) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    partial_out = at::empty({total_q, query.size(1), plan.num_splits, layout.head_dim}, f32);
+    partial_stats = at::zeros({2, total_q, query.size(1), plan.num_splits}, f32);
+    args.partial_out = partial_out.data_ptr<float>();
+    args.partial_max = partial_stats[0].data_ptr<float>();
+    args.partial_sum = partial_stats[1].data_ptr<float>();
+  }
+  check_launch(cuda::launch_paged_attention_prefill(args, dtype_of(query), c10::cuda::getCurrentCUDAStream()),
+               "paged_attention_prefill");
+  return out;
+}
+
+}  // namespace
+
+// The CUDA emulation build (src_cuda/emulation/) defines this to register on its own library.
+#ifndef MINIPAGED_CUDA_LIBRARY_IMPL
+#define MINIPAGED_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(minipaged, CUDA, m)
+#endif
+MINIPAGED_CUDA_LIBRARY_IMPL(m) { m.impl("paged_attention_prefill", &paged_attention_prefill_cuda); }
+
+}  // namespace minipaged

@@ -51,3 +51,39 @@ cudaError_t launch_copy_blocks(void* key_cache, void* value_cache, const int64_t
                                cudaStream_t stream);
 
 }  // namespace minipaged::cuda
+
+// ---- paged_attention_prefill (cuda/prefill.cu)
+namespace minipaged::cuda {
+
+struct PrefillArgs {
+  void* out;                    // [total_q, num_heads, head_dim], contiguous, query dtype
+  const void* query;            // [total_q, num_heads, head_dim], last dim contiguous
+  int64_t query_token_stride, query_head_stride;
+  const void* key_cache;        // CacheLayout, contiguous
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* cu_seqlens_q;  // [num_seqs + 1]
+  const int32_t* seq_lens;      // [num_seqs]
+  CacheLayout layout;
+  int64_t max_blocks_per_seq, total_q;
+  int num_seqs, num_heads;
+  float scale;
+  int query_tiles;              // tiles of (token, head) rows per sequence and kv head: grid.x
+  int num_splits;               // 1: one pass writes `out`; >1: the history is split, merged after
+  int split_tokens;
+  float* partial_out;           // [total_q, num_heads, num_splits, head_dim]
+  float* partial_max;           // [total_q, num_heads, num_splits]
+  float* partial_sum;           // [total_q, num_heads, num_splits], zeroed by the caller
+};
+
+struct PrefillPlan {
+  int query_tiles, num_splits, split_tokens;
+};
+// Grid shape from bounds only (no device data is read): max_query_len bounds every q_i and
+// max_keys every seq_len; the history is split when too few thread blocks would fill the GPU.
+PrefillPlan prefill_plan(int64_t max_query_len, int64_t group, int64_t num_seqs, int64_t num_kv_heads,
+                         int64_t max_keys, int num_sms);
+
+cudaError_t launch_paged_attention_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream);
+
+}  // namespace minipaged::cuda

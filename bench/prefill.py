@@ -1,0 +1,154 @@
+"""Prefill attention: minipaged's paged_attention_prefill against what it replaces.
+
+One sequence of ``history`` cached tokens plus ``new`` new ones (their K/V already in a shuffled
+paged cache). Baselines, all on the same data:
+
+  history == 0   SDPA, causal, on contiguous K/V (a fresh prompt: no cache read needed at all)
+  history  > 0   gather + SDPA: copy the sequence's blocks into contiguous K/V, then SDPA with the
+                 causal mask of the new tokens (the mask is built once, outside the timing)
+
+Targets (issue 9, Qwen3-0.6B heads 16/8/128, block 16): fresh 1 x 2,048 prompt >= 0.7x SDPA;
+2,048 cached + 256 new >= 1.5x gather + SDPA; float32 and bfloat16. Every output is checked
+against the float64 reference before timing; every point is timed in alternation with its
+baseline, caches cold (bench/common.py).
+
+    python bench/prefill.py                          # the two targets, float32 and bfloat16
+    python bench/prefill.py --sweep --out bench/plots   # + history x new-token sweep, CSV + PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import minipaged_ops  # noqa: E402
+from common import DTYPES, interleaved_medians, machine_name, make_decode_problem, print_table  # noqa: E402
+from minipaged_ops import reference  # noqa: E402
+
+TARGETS = [(0, 2048, 0.7), (2048, 256, 1.5)]  # (history, new tokens, speedup wanted)
+SWEEP_HISTORY = [0, 512, 2048, 4096]
+SWEEP_NEW = [16, 128, 512]
+
+
+def make_case(history, new, args, dtype, seed=0):
+    """Paged cache + contiguous copy of one sequence (history + new tokens), new-token queries."""
+    p = make_decode_problem(1, history + new, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
+                            dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(new, args.num_heads, args.head_dim, generator=g).to(dtype)
+    cu_seqlens_q = torch.tensor([0, new], dtype=torch.int32)
+    return p, query, cu_seqlens_q
+
+
+def kernels(p, query, cu_seqlens_q, history):
+    """(paged op, baseline) as closures returning [new, num_heads, head_dim]."""
+    q4 = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, head_dim]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    new = query.shape[0]
+
+    def paged():
+        return minipaged_ops.paged_attention_prefill(query, p.key_cache, p.value_cache, p.block_tables, cu_seqlens_q,
+                                                     p.seq_lens, p.scale)
+
+    if history == 0:
+        def baseline():
+            return sdpa(q4, p.key, p.value, is_causal=True, scale=p.scale, enable_gqa=True)[0].transpose(0, 1)
+    else:
+        seq_len = history + new
+        mask = torch.arange(seq_len)[None, :] <= torch.arange(history, seq_len)[:, None]  # [new, seq_len]
+        blocks = p.block_tables[0].long()
+
+        def baseline():
+            k = p.key_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len].unsqueeze(0)
+            v = p.value_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len].unsqueeze(0)
+            return sdpa(q4, k, v, attn_mask=mask, scale=p.scale, enable_gqa=True)[0].transpose(0, 1)
+    return paged, baseline
+
+
+def measure(history, new, dtype_name, args):
+    dtype = DTYPES[dtype_name]
+    p, query, cu = make_case(history, new, args, dtype)
+    paged, baseline = kernels(p, query, cu, history)
+    f64 = lambda t: t.double()  # noqa: E731
+    expected = reference.paged_attention_prefill(f64(query), f64(p.key_cache), f64(p.value_cache), p.block_tables,
+                                                 cu, p.seq_lens, p.scale)
+    err = (paged().double() - expected).abs().max().item()
+    base_err = (baseline().double() - expected).abs().max().item()
+    tol = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype_name]
+    if err > tol:
+        raise SystemExit(f"paged_attention_prefill is off the reference by {err:.2e} (> {tol}) at history {history}, "
+                         f"new {new}, {dtype_name}")
+    t = interleaved_medians({"paged": paged, "baseline": baseline}, args.iters)
+    return dict(dtype=dtype_name, history=history, new=new, baseline="sdpa causal" if history == 0 else "gather+sdpa",
+                paged_ms=round(t["paged"] * 1e3, 3), baseline_ms=round(t["baseline"] * 1e3, 3),
+                speedup=round(t["baseline"] / t["paged"], 2), max_err=f"{err:.1e}", baseline_err=f"{base_err:.1e}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32,bfloat16", help="comma separated, of " + ", ".join(DTYPES))
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep history x new tokens")
+    ap.add_argument("--out", default=None, help="folder for prefill_cpu.csv and prefill_cpu.png (with --sweep)")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtypes = args.dtype.split(",")
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")
+
+    print(f"prefill, heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, block {args.block_size}, "
+          f"shuffled blocks; {machine_name()}")
+    columns = ["dtype", "history", "new", "baseline", "paged_ms", "baseline_ms", "speedup", "max_err", "baseline_err"]
+    rows = []
+    for d in dtypes:
+        for history, new, wanted in TARGETS:
+            row = measure(history, new, d, args)
+            row["target"] = f">= {wanted}x: {'met' if row['speedup'] >= wanted else 'NOT met'}"
+            rows.append(row)
+    print_table(rows, columns + ["target"])
+    if not args.sweep:
+        return
+
+    points = [(d, h, n) for d in dtypes for h in SWEEP_HISTORY for n in SWEEP_NEW]
+    sweep = [measure(h, n, d, args) for d, h, n in tqdm(points, desc="sweep", unit="point")]
+    print_table(sweep, columns)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "prefill_cpu.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            w.writerows(sweep)
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), squeeze=False)
+        for ax, d in zip(axes[0], dtypes):
+            for n in SWEEP_NEW:
+                pts = [r for r in sweep if r["dtype"] == d and r["new"] == n]
+                ax.plot([r["history"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{n} new tokens")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set(title=f"{d}", xlabel="cached tokens (history)", ylabel="speedup vs baseline (x)")
+            ax.legend()
+        fig.suptitle(f"paged_attention_prefill vs SDPA (history 0) / gather + SDPA\n{machine_name()}, shared busy "
+                     f"machine; heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, block {args.block_size}",
+                     fontsize=9)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "prefill_cpu.png"), dpi=110)
+        print(f"wrote {args.out}/prefill_cpu.csv and prefill_cpu.png")
+
+
+if __name__ == "__main__":
+    main()

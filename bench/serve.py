@@ -1,0 +1,587 @@
+"""Serving benchmark: the same synthetic requests through minipaged's LLMEngine, transformers' own
+continuous batching, static batches of ``model.generate``, and the compute roof, side by side in
+one run, each warmed up first.
+
+Default: a random Qwen3 shaped like Qwen3-0.6B (hidden 1024, 16/8 heads, head_dim 128, vocab
+151936) with 4 layers, float32; 48 requests arriving all at once, prompts of 32-256 tokens and
+outputs of 16-64 tokens (uniform), greedy, EOS ignored.
+
+    python bench/serve.py                          # the table, bench/out/serve.csv and serve.png
+    python bench/serve.py --arrival poisson --rate 4
+    python bench/serve.py --system-prompt 256      # shared prefix: adds "engine, no prefix caching"
+    python bench/serve.py --n 4                    # 4 sampled continuations per request
+    python bench/serve.py --quick                  # tiny shapes, a smoke run
+
+Systems (rows):
+  engine        minipaged_ops.integration.LLMEngine: iteration-level scheduling on the paged cache
+  transformers  model.init_continuous_batching: transformers' continuous batching (sdpa), given the
+                same KV capacity (num_blocks pages of block_size tokens) and token budget
+  static        model.generate with sdpa + DynamicCache on left-padded batches of whatever has
+                arrived (up to --max-num-seqs), each batch running to its longest output
+  roof          the same model on the same tokens, run as full prefill chunks of
+                --max-num-batched-tokens tokens and full decode batches: the compute a perfect
+                scheduler with no overhead would need (no latencies)
+
+Columns: output tokens/s and its share of the roof's; TTFT, TPOT (time per output token after the
+first) and end-to-end latency percentiles; ``in layers``: the share of the run's wall time spent
+inside the model's own modules (embedding, decoder layers, norm, lm_head), for the engine of the
+time inside ``engine.step()`` (the rest is its overhead: scheduling, bookkeeping, metadata,
+sampling), for the others of the wall time; prefill tokens: tokens the model computed minus one
+per decode (so padding counts, and prefix-cache hits do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_name, print_table  # noqa: E402
+
+QWEN3_06B = dict(vocab=151936, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128)
+TINY = dict(vocab=512, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=32)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=48)
+    w.add_argument("--arrival", choices=("burst", "poisson"), default="burst",
+                   help="burst: all at time 0; poisson: exponential gaps at --rate requests/s")
+    w.add_argument("--rate", type=float, default=4.0, help="requests per second for --arrival poisson")
+    w.add_argument("--prompt-len", default="32:256", help="uniform range of prompt tokens, lo:hi (default 32:256)")
+    w.add_argument("--output-len", default="16:64", help="uniform range of output tokens, lo:hi (default 16:64)")
+    w.add_argument("--system-prompt", type=int, default=0,
+                   help="tokens of a system prompt shared by every request, before its own prompt")
+    w.add_argument("--n", type=int, default=1, help="continuations per request (n > 1 samples at temperature 1)")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model (random Qwen3 shaped like Qwen3-0.6B)")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    s = p.add_argument_group("serving")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks for the engine and transformers' CB (default: all requests fit at once)")
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    s.add_argument("--systems", default="engine,transformers,static,roof",
+                   help="comma-separated subset of engine,transformers,static,roof")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                   help="folder for serve.csv and serve.png (default bench/out)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests: a smoke run")
+    args = p.parse_args(argv)
+    args.shape = dict(QWEN3_06B)
+    if args.quick:
+        args.shape = dict(TINY)
+        args.requests, args.prompt_len, args.output_len, args.layers = 8, "8:40", "4:12", 2
+        args.max_num_batched_tokens = min(args.max_num_batched_tokens, 64)
+    for name in ("prompt_len", "output_len"):
+        lo, _, hi = getattr(args, name).partition(":")
+        lo, hi = int(lo), int(hi or lo)
+        if not 1 <= lo <= hi:
+            p.error(f"--{name.replace('_', '-')}: expected lo:hi with 1 <= lo <= hi, got {getattr(args, name)!r}")
+        setattr(args, name, (lo, hi))
+    unknown = set(args.systems.split(",")) - {"engine", "transformers", "static", "roof"}
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)}")
+    return args
+
+
+# ---------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float  # seconds after the start of the run
+
+
+def make_workload(args, vocab: int, seed: int, count: int | None = None) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    count = count or args.requests
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
+    system = torch.randint(3, vocab, (args.system_prompt,), generator=g).tolist()
+    t, requests = 0.0, []
+    for i in range(count):
+        if args.arrival == "poisson" and i:
+            t += float(torch.empty(1).exponential_(args.rate, generator=g))
+        prompt = system + torch.randint(3, vocab, (draw(*args.prompt_len),), generator=g).tolist()
+        requests.append(Request(f"r{i}", prompt, draw(*args.output_len), t))
+    return requests
+
+
+def blocks_needed(requests, block_size: int, n: int) -> int:
+    return sum(n * math.ceil((len(r.prompt) + r.max_tokens) / block_size) for r in requests)
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Timeline:
+    arrival: float  # perf_counter seconds
+    first_token: float | None = None
+    finish: float | None = None
+    tokens: list[list[int]] = field(default_factory=list)  # one list per continuation
+
+
+@dataclass
+class RunResult:
+    system: str
+    wall: float
+    timelines: dict[str, Timeline]
+    model_seconds: float = 0.0
+    tokens_computed: int = 0
+    blocks: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, KV blocks held)
+    stats: dict = field(default_factory=dict)
+    busy: float | None = None  # seconds inside engine.step() (None: the whole wall time)
+
+
+class ModelTimer:
+    """Forward hooks on the model's own modules (embedding, every decoder layer, final norm,
+    lm_head): seconds spent inside them, and tokens that went through the embedding."""
+
+    def __init__(self, model):
+        decoder = model.get_decoder()
+        self.modules = [decoder.embed_tokens, *decoder.layers, decoder.norm, model.get_output_embeddings()]
+        self.seconds = 0.0
+        self.tokens = 0
+        self._start = {}
+        self.handles = []
+        for m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(self._pre))
+            self.handles.append(m.register_forward_hook(self._post))
+        self.handles.append(decoder.embed_tokens.register_forward_hook(self._count))
+
+    def _pre(self, module, args):
+        self._start[id(module)] = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.seconds += time.perf_counter() - self._start.pop(id(module))
+
+    def _count(self, module, args, output):
+        self.tokens += args[0].numel()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def progress(total: int, desc: str, args):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr, disable=args.no_progress or None)
+
+
+def sampling(args) -> dict:
+    """Greedy for n=1; n>1 samples (temperature 1, no top-k/top-p) so the continuations differ."""
+    return dict(temperature=1.0 if args.n > 1 else 0.0)
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True) -> RunResult:
+    from minipaged_ops.integration import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=prefix_caching)
+    bm = engine.block_manager
+    timelines: dict[str, Timeline] = {}
+    blocks = []
+    timer = ModelTimer(model)
+    bar = progress(len(requests), desc, args)
+    pending = sorted(requests, key=lambda r: r.arrival)
+    i, busy, start = 0, 0.0, time.perf_counter()
+    try:
+        while i < len(pending) or engine.has_unfinished_requests():
+            now = time.perf_counter()
+            while i < len(pending) and start + pending[i].arrival <= now:
+                r = pending[i]
+                params = SamplingParams(n=args.n, max_tokens=r.max_tokens, ignore_eos=True, seed=args.seed + i,
+                                        **sampling(args))
+                engine.add_request(r.request_id, r.prompt, params)
+                timelines[r.request_id] = Timeline(start + r.arrival)
+                i += 1
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, start + pending[i].arrival - time.perf_counter()))
+                continue
+            outputs = engine.step()
+            t = time.perf_counter()
+            busy += t - now
+            for out in outputs:
+                tl = timelines[out.request_id]
+                if tl.first_token is None and any(len(c.token_ids) for c in out.outputs):
+                    tl.first_token = t
+                if out.finished:
+                    tl.finish = t
+                    tl.tokens = [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
+                    bar.update(1)
+            blocks.append((t - start, bm.num_blocks - bm.num_free_blocks))
+        wall = time.perf_counter() - start
+    finally:
+        timer.close()
+        bar.close()
+    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks, dict(engine.stats()), busy)
+
+
+def run_transformers_cb(model, requests, args, num_blocks, desc="transformers") -> RunResult:
+    """transformers' continuous batching with the engine's KV capacity and token budget (its
+    defaults would size the cache from the machine's free memory)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if args.n > 1 else dict(do_sample=False)
+    gen = GenerationConfig(max_new_tokens=max(r.max_tokens for r in requests), num_return_sequences=args.n,
+                           pad_token_id=0, eos_token_id=-1, **sample)
+    cb = ContinuousBatchingConfig(
+        page_size=args.block_size, num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs, allow_block_sharing=True, use_cuda_graph=False,
+        use_async_batching=False, auto_switch_to_flash=False, seed=args.seed,
+    )
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    timelines: dict[str, Timeline] = {}
+    parts: dict[str, list] = {}
+    timer = ModelTimer(model)
+    bar = progress(len(requests), desc, args)
+    pending = sorted(requests, key=lambda r: r.arrival)
+    i, done = 0, 0
+    manager.start()
+    start = time.perf_counter()
+    try:
+        while done < len(requests):
+            now = time.perf_counter()
+            while i < len(pending) and start + pending[i].arrival <= now:
+                r = pending[i]
+                timelines[r.request_id] = Timeline(start + r.arrival)
+                manager.add_request(r.prompt, request_id=r.request_id, max_new_tokens=r.max_tokens,
+                                    record_timestamps=True)
+                i += 1
+            wait = 0.05 if i == len(pending) else max(0.001, min(0.05, start + pending[i].arrival - now))
+            result = manager.get_result(timeout=wait)
+            if result is None or not result.is_finished():
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+                continue
+            if result.error is not None:
+                raise RuntimeError(f"transformers' continuous batching failed request {result.request_id}: {result.error}")
+            parent = result.request_id.split("__child#")[0]
+            parts.setdefault(parent, []).append(result)
+            if len(parts[parent]) == args.n:
+                tl = timelines[parent]
+                tl.first_token = min(p.timestamps[0] for p in parts[parent])
+                tl.finish = max(p.timestamps[-1] for p in parts[parent])
+                tl.tokens = [list(p.generated_tokens) for p in parts[parent]]
+                done += 1
+                bar.update(1)
+        wall = max(tl.finish for tl in timelines.values()) - start
+    finally:
+        manager.stop(block=True)
+        timer.close()
+        bar.close()
+    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens)
+
+
+def run_static(model, requests, args, desc="static") -> RunResult:
+    """Left-padded batches of whatever has arrived (up to --max-num-seqs) through generate with
+    sdpa + DynamicCache; a batch runs to its longest output. A request's first token is the end
+    of its batch's first step, its finish the end of the step that made its own last token."""
+    model.set_attn_implementation("sdpa")
+    timelines: dict[str, Timeline] = {}
+    blocks = []
+    timer = ModelTimer(model)
+    bar = progress(len(requests), desc, args)
+    pending = sorted(requests, key=lambda r: r.arrival)
+    step_ends: list[float] = []
+    state = {"rows": 0, "width": 0}
+    start = time.perf_counter()
+
+    def on_step(module, args_, output):
+        step_ends.append(time.perf_counter())
+        held = state["rows"] * (state["width"] + len(step_ends))  # DynamicCache: every row, every column
+        blocks.append((step_ends[-1] - start, math.ceil(held / args.block_size)))
+
+    handle = model.register_forward_hook(on_step)
+    try:
+        i = 0
+        while i < len(pending):
+            now = time.perf_counter()
+            if start + pending[i].arrival > now:
+                time.sleep(start + pending[i].arrival - now)
+                continue
+            batch = []
+            while i < len(pending) and len(batch) < args.max_num_seqs and start + pending[i].arrival <= now:
+                batch.append(pending[i])
+                i += 1
+            width = max(len(r.prompt) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, r in enumerate(batch):
+                ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+                mask[row, width - len(r.prompt):] = 1
+                timelines[r.request_id] = Timeline(start + r.arrival)
+            state.update(rows=len(batch) * args.n, width=width)
+            step_ends.clear()
+            torch.manual_seed(args.seed)
+            with torch.no_grad():
+                sample = dict(do_sample=True, temperature=1.0, top_k=0) if args.n > 1 else dict(do_sample=False)
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
+                                     num_return_sequences=args.n, pad_token_id=0, **sample)
+            for row, r in enumerate(batch):
+                tl = timelines[r.request_id]
+                tl.first_token, tl.finish = step_ends[0], step_ends[r.max_tokens - 1]
+                rows = out[row * args.n:(row + 1) * args.n, width:width + r.max_tokens]
+                tl.tokens = rows.tolist()
+                bar.update(1)
+        wall = max(tl.finish for tl in timelines.values()) - start
+    finally:
+        handle.remove()
+        timer.close()
+        bar.close()
+    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks)
+
+
+def run_roof(model, requests, args, repeats: int = 3) -> RunResult:
+    """Seconds the model needs for the workload's tokens as full prefill chunks of the token
+    budget (logits for as many positions as sequences end in a chunk) plus full decode batches
+    of --max-num-seqs rows over the mean context (sdpa, contiguous K/V)."""
+    from transformers import DynamicCache
+
+    from minipaged_ops.integration import _compat
+
+    model.set_attn_implementation("sdpa")
+    cfg = model.config
+    chunk = args.max_num_batched_tokens
+    prefill_tokens = sum(len(r.prompt) for r in requests)
+    decode_tokens = sum(args.n * (r.max_tokens - 1) for r in requests)
+    chunks = prefill_tokens / chunk
+    ends_per_chunk = max(1, round(len(requests) / max(chunks, 1)))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (1, chunk), generator=g)
+
+    def prefill():
+        model(ids, use_cache=False, logits_to_keep=ends_per_chunk)
+
+    rows = min(args.max_num_seqs, len(requests) * args.n)
+    context = round(statistics.mean(len(r.prompt) + r.max_tokens / 2 for r in requests))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    step_ids = torch.randint(3, cfg.vocab_size, (rows, 1), generator=g)
+    kv = torch.randn(rows, cfg.num_key_value_heads, context, head_dim, generator=g, dtype=torch.float32).to(model.dtype)
+
+    cache = DynamicCache(config=cfg)  # the history; each timed step appends one token to it
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(kv, kv, layer)
+
+    def decode():
+        position_ids = torch.full((rows, 1), cache.get_seq_length())
+        model(step_ids, position_ids=position_ids, use_cache=True, **_compat.cache_kwargs(cache))
+
+    timer = ModelTimer(model)
+    times = {"prefill": [], "decode": []}
+    with torch.no_grad():
+        prefill(), decode()  # warm-up
+        for _ in range(repeats):  # alternated, so a busy moment lands on both
+            for name, fn in (("prefill", prefill), ("decode", decode)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    timer.close()
+    t_prefill, t_decode = statistics.median(times["prefill"]), statistics.median(times["decode"])
+    wall = chunks * t_prefill + decode_tokens / rows * t_decode
+    stats = {"prefill_chunk_s": t_prefill, "decode_step_s": t_decode, "decode_rows": rows, "context": context}
+    return RunResult("roof", wall, {}, wall, prefill_tokens + decode_tokens, stats=stats)
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def percentiles(values, ps=(50, 95, 99)) -> list[float]:
+    if not values:
+        return [float("nan")] * len(ps)
+    v = sorted(values)
+    return [v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))] for p in ps]
+
+
+def latencies(result: RunResult) -> dict[str, list[float]]:
+    ttft, tpot, e2e = [], [], []
+    for tl in result.timelines.values():
+        ttft.append(tl.first_token - tl.arrival)
+        e2e.append(tl.finish - tl.arrival)
+        longest = max(len(t) for t in tl.tokens)
+        if longest > 1:
+            tpot.append((tl.finish - tl.first_token) / (longest - 1))
+    return {"ttft": ttft, "tpot": tpot, "e2e": e2e}
+
+
+def prefill_tokens(result: RunResult, decode_tokens: int) -> int:
+    """Prompt tokens the model computed: the engine counts them; for the others, all tokens
+    through the embedding minus one per decode (padding included)."""
+    return result.stats.get("prefill_tokens_computed", result.tokens_computed - decode_tokens)
+
+
+def summary_row(result: RunResult, requests, args, roof: RunResult | None, reference: RunResult | None) -> dict:
+    output_tokens = sum(args.n * r.max_tokens for r in requests)
+    decode_tokens = sum(args.n * (r.max_tokens - 1) for r in requests)
+    row = {"system": result.system, "wall s": f"{result.wall:.2f}", "out tok/s": f"{output_tokens / result.wall:.1f}"}
+    row["vs roof"] = f"{roof.wall / result.wall:.0%}" if roof else "-"
+    if result.timelines:
+        lat = latencies(result)
+        for key, label, scale in (("ttft", "TTFT", 1), ("tpot", "TPOT ms", 1e3), ("e2e", "E2E", 1)):
+            p50, p95, p99 = percentiles(lat[key])
+            row[f"{label} p50/p95/p99"] = f"{p50 * scale:.2f}/{p95 * scale:.2f}/{p99 * scale:.2f}"
+        row["in layers"] = f"{result.model_seconds / (result.busy or result.wall):.0%}"
+        row["prefill tokens"] = str(prefill_tokens(result, decode_tokens))
+        if result.blocks:
+            row["peak blocks"] = str(max(b for _, b in result.blocks))
+        if reference is not None and reference is not result and args.n == 1:
+            same = sum(result.timelines[k].tokens == reference.timelines[k].tokens for k in reference.timelines)
+            row["same tokens"] = f"{same}/{len(reference.timelines)}"
+    return row
+
+
+def write_csv(path, results, requests, args) -> None:
+    by_id = {r.request_id: r for r in requests}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["system", "request_id", "prompt_tokens", "output_tokens", "n", "arrival_s", "ttft_s", "e2e_s",
+                    "tpot_s"])
+        for res in results:
+            t0 = min((tl.arrival for tl in res.timelines.values()), default=0.0)
+            for rid, tl in res.timelines.items():
+                r = by_id[rid]
+                tpot = (tl.finish - tl.first_token) / (r.max_tokens - 1) if r.max_tokens > 1 else ""
+                w.writerow([res.system, rid, len(r.prompt), r.max_tokens, args.n, f"{tl.arrival - t0:.4f}",
+                            f"{tl.first_token - tl.arrival:.4f}", f"{tl.finish - tl.arrival:.4f}",
+                            f"{tpot:.5f}" if tpot != "" else ""])
+
+
+def write_plot(path, results, roof, num_blocks, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for res in results:
+        if not res.timelines:
+            continue
+        lat = latencies(res)
+        for ax, key in zip(axes[:2], ("ttft", "e2e")):
+            v = sorted(lat[key])
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=res.system, drawstyle="steps-post")
+        if res.blocks:
+            axes[2].plot([t for t, _ in res.blocks], [b for _, b in res.blocks], label=res.system)
+    axes[0].set_title("time to first token")
+    axes[1].set_title("end-to-end latency")
+    for ax in axes[:2]:
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("share of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[2].axhline(num_blocks, color="gray", ls="--", lw=1, label="pool (engine, transformers)")
+    axes[2].set_title("KV blocks held (static: its DynamicCache)")
+    axes[2].set_xlabel("seconds since the first arrival")
+    axes[2].legend(fontsize=8)
+    axes[2].grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    import minipaged_ops.integration  # noqa: F401  (registers "minipaged")
+    from minipaged_ops.tiny import tiny_model
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # sizing notes on every start
+
+    dtype = getattr(torch, args.dtype)
+    vocab = args.shape["vocab"]
+    model = tiny_model("qwen3", layers=args.layers, max_positions=4096, init_range=None, tie_embeddings=True,
+                       dtype=dtype, **args.shape)
+    requests = make_workload(args, vocab, args.seed)
+    num_blocks = args.num_blocks or blocks_needed(requests, args.block_size, args.n)
+    systems = args.systems.split(",")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    title = (f"{len(requests)} requests ({args.arrival}{f' {args.rate}/s' if args.arrival == 'poisson' else ''}), "
+             f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}"
+             f"{f' + {args.system_prompt} shared' if args.system_prompt else ''}, outputs "
+             f"{args.output_len[0]}-{args.output_len[1]}, n={args.n}; Qwen3 {args.layers} layers ({params:.0f}M), "
+             f"{args.dtype}; {num_blocks} blocks of {args.block_size}, budget {args.max_num_batched_tokens} tokens, "
+             f"max {args.max_num_seqs} seqs; {machine_name()}")
+    print(title)
+    print(f"torch {torch.__version__}; each system warmed up on {min(4, args.requests)} other requests first")
+
+    runners = {
+        "engine": lambda reqs, blocks: run_engine(model, reqs, args, blocks),
+        "transformers": lambda reqs, blocks: run_transformers_cb(model, reqs, args, blocks),
+        "static": lambda reqs, blocks: run_static(model, reqs, args),
+    }
+    if args.system_prompt and "engine" in systems:
+        runners["engine, no prefix caching"] = lambda reqs, blocks: run_engine(
+            model, reqs, args, blocks, desc="engine, no prefix caching", prefix_caching=False)
+    order = [s for s in runners if s.split(",")[0] in systems]
+
+    warm = make_workload(args, vocab, args.seed + 1000, count=min(4, args.requests))
+    warm = [Request(r.request_id, r.prompt, min(r.max_tokens, 4), 0.0) for r in warm]
+    for name in order:
+        runners[name](warm, max(num_blocks, blocks_needed(warm, args.block_size, args.n)))
+
+    results = []
+    for name in order:
+        print(f"  running {name} ...", file=sys.stderr)
+        results.append(runners[name](requests, num_blocks))
+    roof = run_roof(model, requests, args) if "roof" in systems else None
+
+    reference = next(iter(results), None)
+    rows = [summary_row(r, requests, args, roof, reference) for r in results]
+    if roof is not None:
+        rows.append(summary_row(roof, requests, args, roof, None))
+    columns = ["system", "wall s", "out tok/s", "vs roof", "TTFT p50/p95/p99", "TPOT ms p50/p95/p99",
+               "E2E p50/p95/p99", "in layers", "prefill tokens", "peak blocks", "same tokens"]
+    print()
+    print_table(rows, columns)
+    if roof is not None:
+        s = roof.stats
+        print(f"roof: {s['prefill_chunk_s'] * 1e3:.0f} ms per {args.max_num_batched_tokens}-token prefill chunk, "
+              f"{s['decode_step_s'] * 1e3:.0f} ms per decode step of {s['decode_rows']} rows at context {s['context']}")
+    by_name = {r.system: r for r in results}
+    if "engine" in by_name and "engine, no prefix caching" in by_name:
+        decode_tokens = sum(args.n * (r.max_tokens - 1) for r in requests)
+        with_pc = prefill_tokens(by_name["engine"], decode_tokens)
+        without = prefill_tokens(by_name["engine, no prefix caching"], decode_tokens)
+        print(f"prefix caching: {with_pc} prefill tokens computed vs {without} without "
+              f"({1 - with_pc / without:.0%} fewer)")
+    if "engine" in by_name:
+        from minipaged_ops.demo import format_report
+
+        print("\nengine.stats() after the run (the capacity report):")
+        print(format_report(by_name["engine"].stats))
+
+    os.makedirs(args.out, exist_ok=True)
+    csv_path, png_path = os.path.join(args.out, "serve.csv"), os.path.join(args.out, "serve.png")
+    write_csv(csv_path, results, requests, args)
+    write_plot(png_path, results, roof, num_blocks, title)
+    print(f"\nwrote {csv_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

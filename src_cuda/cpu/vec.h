@@ -1,0 +1,422 @@
+// Vector helpers shared by the CPU attention kernels (kernels.cpp: decode, prefill.cpp: prefill):
+// 16-float vectors, cache-dtype loads, exp, horizontal sums, the GQA head tile that streams K/V
+// rows past several query rows, and the online-softmax step.
+//
+// Everything is in an anonymous namespace on purpose: a file that includes this may be compiled
+// several times with different -m flags (one object per ISA), and each object must keep its own
+// copies instead of the linker picking one ISA's version for all.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace minipaged {
+namespace {
+
+// The cache dtypes (check_cache_pair admits exactly these).
+#define MINIPAGED_DISPATCH(TYPE, NAME, ...)                       \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)          \
+                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// 16-float vectors through GCC/Clang vector extensions: the compiler maps them onto AVX-512,
+// AVX2 or NEON registers, so one source serves every CPU. Intrinsics appear only where the
+// compiler's own lowering is slow (float16 conversion) or for AVX512-BF16 dot products.
+constexpr int64_t kW = 16;
+using f32x16 = float __attribute__((vector_size(64), aligned(4)));
+using f32x8 = float __attribute__((vector_size(32), aligned(4)));
+using f32x4 = float __attribute__((vector_size(16), aligned(4)));
+using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
+
+inline f32x16 load(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+inline void store(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+inline float hsum(f32x16 v) {
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(f32x16 v) {
+  auto vmax = [](auto a, auto b) { return a > b ? a : b; };
+  const f32x8 a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  const f32x4 b = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+// The four horizontal sums of a, b, c, d at once: a 4x4 transpose-and-add inside each 128-bit
+// lane, then the lanes added. 13 shuffles and adds instead of 4 x 9 for four hsum calls, which
+// matters because a decode kernel does one per token and query head.
+inline f32x4 hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
+  const f32x16 ab = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                    __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const f32x16 cd = __builtin_shufflevector(c, d, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                    __builtin_shufflevector(c, d, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  // Per lane: [a, b, c, d] partial sums.
+  const f32x16 abcd = __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                      __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const f32x8 half = __builtin_shufflevector(abcd, abcd, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(abcd, abcd, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+}
+
+// exp(x) for 16 floats: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial
+// (relative error < 2e-7 on that range), 2^k spliced into the exponent bits. Inputs below
+// -87 flush to 0, which is what the softmax wants for far-below-max scores.
+inline f32x16 exp16(f32x16 x) {
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f) , i32x16), f32x16);
+  const f32x16 r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  f32x16 p = 1.f / 720 + f32x16{};
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  f32x16 result = p * reinterpret_cast<const f32x16&>(bits);
+  return x <= lo ? f32x16{} : result;
+}
+
+// 16 cache elements as floats, converted in registers (bfloat16 is the top half of a float;
+// float16 converts in hardware where F16C exists), so K/V are read once, straight from the cache.
+inline f32x16 load16(const float* p) { return load(p); }
+inline f32x16 load16(const c10::BFloat16* p) {
+  u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+  return reinterpret_cast<f32x16&>(wide);
+}
+inline f32x16 load16(const c10::Half* p) {
+  // GCC turns a vector conversion of _Float16 into one instruction per element; the F16C /
+  // AVX-512 conversion does all of them at once.
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<const f32x16&>(v);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  f32x16 out;
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+#else
+  return __builtin_convertvector(*reinterpret_cast<const f16x16*>(p), f32x16);
+#endif
+}
+
+// A 32-float chunk accumulated by HeadTile::accumulate_bf16 holds, in its first 16 floats,
+// elements 8L + j and in its last 16, elements 8L + 4 + j (at 4L + j, for L, j < 4): the
+// 128-bit-lane interleave of unpacklo/hi. This puts a row of n such chunks back in order.
+inline void from_unpack_order(float* row, int64_t n) {
+  float tmp[32];
+  for (int64_t b = 0; b < n; b += 32) {
+    for (int L = 0; L < 4; ++L)
+      for (int j = 0; j < 4; ++j) tmp[8 * L + j] = row[b + 4 * L + j], tmp[8 * L + 4 + j] = row[b + 16 + 4 * L + j];
+    std::memcpy(row + b, tmp, sizeof(tmp));
+  }
+}
+
+inline void prefetch(const char* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+// The rows of the next block that match the rows being computed, asked for a few at a time as
+// the computation goes: a steady trickle keeps memory busy without a burst that stalls the core.
+struct RowPrefetch {
+  const char* base = nullptr;  // first row of the next block for this kv head; null: nothing to do
+  int64_t row_bytes = 0, rows = 0, done = 0;
+  void upto(int64_t row) {  // rows [done, row) of the next block
+    if (base == nullptr) return;
+    row = std::min(row, rows);
+    if (row > done) prefetch(base + done * row_bytes, (row - done) * row_bytes);
+    done = std::max(done, row);
+  }
+};
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// A tile of GT query heads of one GQA group, kept in registers while a block streams by:
+// each K/V row is loaded once for all GT heads.
+template <int GT>
+struct HeadTile {
+  // scores[g * stride + t] = scale * (q[g] . k[t]) for the n rows of k, from the per-lane
+  // partial sums acc[g] of one token: reduced four heads at a time.
+  static void store_token(const f32x16 (&acc)[GT], float scale, float* scores, int64_t stride, int64_t t) {
+    for (int g = 0; g < GT; g += 4) {
+      const f32x16 zero{};
+      const f32x4 s = hsum4(acc[g], g + 1 < GT ? acc[g + 1] : zero, g + 2 < GT ? acc[g + 2] : zero,
+                            g + 3 < GT ? acc[g + 3] : zero) * scale;
+      for (int i = 0; i < 4 && g + i < GT; ++i) scores[(g + i) * stride + t] = s[i];
+    }
+  }
+  // The same for four tokens of one head: reduced together, stored as one 4-float vector.
+  static void store_4_tokens(f32x16 a0, f32x16 a1, f32x16 a2, f32x16 a3, float scale, float* scores) {
+    const f32x4 s = hsum4(a0, a1, a2, a3) * scale;
+    std::memcpy(scores, &s, sizeof(s));
+  }
+
+  // scores[g * stride + t] = q[g] . k[t] for the n rows of k (q already scaled).
+  template <typename T>
+  static void scores(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride,
+                     RowPrefetch& pf) {
+    // With the whole query tile in registers, a token costs D/16 loads instead of (1+GT)*D/16.
+    if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride, pf);
+    if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
+    if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
+    const int64_t Dv = D / kW * kW;
+    for (int64_t t = 0; t < n; ++t) {
+      pf.upto(t + 1);
+      const T* kt = k + t * D;
+      f32x16 acc[GT] = {};
+      for (int64_t d = 0; d < Dv; d += kW) {
+        const f32x16 kv = load16(kt + d);
+        for (int g = 0; g < GT; ++g) acc[g] += load(q + g * D + d) * kv;
+      }
+      store_token(acc, 1.f, scores, stride, t);
+      for (int64_t d = Dv; d < D; ++d)  // head_dim not a multiple of 16
+        for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * static_cast<float>(kt[d]);
+    }
+  }
+  template <int DV, typename T>  // DV = head_dim / 16
+  static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride, RowPrefetch& pf) {
+    constexpr int64_t D = DV * kW;
+    f32x16 qv[GT][DV];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DV; ++c) qv[g][c] = load(q + g * D + c * kW);
+    int64_t t = 0;
+    if constexpr (GT <= 2) {  // four tokens at a time: independent FMA chains, one reduction
+      for (; t + 4 <= n; t += 4) {
+        pf.upto(t + 4);
+        f32x16 a[4][GT] = {};
+        for (int c = 0; c < DV; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const f32x16 kv = load16(k + (t + i) * D + c * kW);
+            for (int g = 0; g < GT; ++g) a[i][g] += qv[g][c] * kv;
+          }
+        for (int g = 0; g < GT; ++g) store_4_tokens(a[0][g], a[1][g], a[2][g], a[3][g], 1.f, scores + g * stride + t);
+      }
+    }
+    for (; t < n; ++t) {
+      pf.upto(t + 1);
+      f32x16 a0[GT] = {};
+      for (int c = 0; c < DV; ++c)
+        for (int g = 0; g < GT; ++g) a0[g] += qv[g][c] * load16(k + t * D + c * kW);
+      store_token(a0, 1.f, scores, stride, t);
+    }
+  }
+#if defined(__AVX512BF16__)
+  // bfloat16 Q.K with the hardware's bf16 pair dot product (products exact, float32 sums): the
+  // query stays in bfloat16 (it is bfloat16 already) and the scale is applied to the scores.
+  static void scores_bf16(const c10::BFloat16* q, float scale, const c10::BFloat16* k, int64_t n, int64_t D,
+                          float* scores, int64_t stride, RowPrefetch& pf) {
+    auto as_f32x16 = [](__m512 v) { return reinterpret_cast<const f32x16&>(v); };
+    int64_t t = 0;
+    if constexpr (GT <= 2)
+      if (D == 128) {  // query tile in registers, four tokens at a time as in scores_fixed
+        __m512bh qv[GT][4];
+        for (int g = 0; g < GT; ++g)
+          for (int c = 0; c < 4; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+        for (; t + 4 <= n; t += 4) {
+          pf.upto(t + 4);
+          __m512 a[4][GT];
+          for (int i = 0; i < 4; ++i)
+            for (int g = 0; g < GT; ++g) a[i][g] = _mm512_setzero_ps();
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + (t + i) * D + c * 32);
+              for (int g = 0; g < GT; ++g) a[i][g] = _mm512_dpbf16_ps(a[i][g], qv[g][c], kv);
+            }
+          for (int g = 0; g < GT; ++g)
+            store_4_tokens(as_f32x16(a[0][g]), as_f32x16(a[1][g]), as_f32x16(a[2][g]), as_f32x16(a[3][g]), scale,
+                           scores + g * stride + t);
+        }
+      }
+    for (; t < n; ++t) {
+      pf.upto(t + 1);
+      __m512 a[GT];
+      for (int g = 0; g < GT; ++g) a[g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + t * D + d);
+        for (int g = 0; g < GT; ++g)
+          a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512(q + g * D + d), kv);
+      }
+      f32x16 acc[GT];
+      for (int g = 0; g < GT; ++g) acc[g] = as_f32x16(a[g]);
+      store_token(acc, scale, scores, stride, t);
+    }
+  }
+  // acc[g] += sum_t p[g][t] * v[t] with the same pair dot product, two tokens per instruction:
+  // rows t and t+1 are interleaved (unpacklo/hi), so the accumulators hold each 32-element chunk
+  // in "unpack order" (see from_unpack_order). The probabilities are rounded to bfloat16 for this
+  // product, as FlashAttention does for P.V; the softmax itself stays float32. n <= 256.
+  static void accumulate_bf16(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D,
+                              float* acc, RowPrefetch& pf) {
+    constexpr int64_t kMaxPairs = 128;
+    const int64_t pairs = (n + 1) / 2;
+    // (p[t], p[t+1]) as a bfloat16 pair is p rounded to bfloat16, read two at a time; a zero
+    // pads an odd n.
+    alignas(64) uint32_t packed[GT][kMaxPairs];
+    for (int g = 0; g < GT; ++g)
+      for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + g * stride + t));
+        std::memcpy(&packed[g][t / 2], &b, sizeof(b));
+      }
+    if constexpr (GT <= 2)
+      if (D == 128) return accumulate_bf16_rows<4>(packed, v, n, acc, pf);
+    for (int64_t d = 0; d < D; d += 32) {
+      pf.upto(pf.rows * (d + 32) / D);
+      __m512 lo_acc[GT], hi_acc[GT];
+      for (int g = 0; g < GT; ++g) lo_acc[g] = _mm512_loadu_ps(acc + g * D + d), hi_acc[g] = _mm512_loadu_ps(acc + g * D + d + 16);
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + d);
+        const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + d) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GT; ++g) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+          lo_acc[g] = _mm512_dpbf16_ps(lo_acc[g], lo, pp);
+          hi_acc[g] = _mm512_dpbf16_ps(hi_acc[g], hi, pp);
+        }
+      }
+      for (int g = 0; g < GT; ++g) _mm512_storeu_ps(acc + g * D + d, lo_acc[g]), _mm512_storeu_ps(acc + g * D + d + 16, hi_acc[g]);
+    }
+  }
+  // accumulate_bf16 with the whole accumulator tile (GT x head_dim floats) in registers, so V
+  // is walked row pair by row pair, front to back, and 2 x GT x DC accumulation chains hide the
+  // dot product's latency. DC = head_dim / 32.
+  template <int DC>
+  static void accumulate_bf16_rows(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, float* acc,
+                                   RowPrefetch& pf) {
+    constexpr int64_t D = DC * 32;
+    __m512 lo_acc[GT][DC], hi_acc[GT][DC];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DC; ++c)
+        lo_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32), hi_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32 + 16);
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      pf.upto(2 * i + 2);
+      __m512bh pp[GT];
+      for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+      for (int c = 0; c < DC; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + c * 32);
+        const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + c * 32) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GT; ++g) {
+          lo_acc[g][c] = _mm512_dpbf16_ps(lo_acc[g][c], lo, pp[g]);
+          hi_acc[g][c] = _mm512_dpbf16_ps(hi_acc[g][c], hi, pp[g]);
+        }
+      }
+    }
+    pf.upto(pf.rows);
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(acc + g * D + c * 32, lo_acc[g][c]), _mm512_storeu_ps(acc + g * D + c * 32 + 16, hi_acc[g][c]);
+  }
+#endif
+  // acc[g] += sum_t p[g * stride + t] * v[t] over the n rows of v. D is walked in panels of P
+  // vectors so the GT x P accumulators stay in registers for the whole block.
+  template <typename T>
+  static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc,
+                         RowPrefetch& pf) {
+    constexpr int P = GT >= 16 ? 1 : 16 / GT;
+    int64_t d = 0;
+    for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d, pf);
+    for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d, pf);
+    pf.upto(pf.rows);
+    for (; d < D; ++d)
+      for (int64_t t = 0; t < n; ++t)
+        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * static_cast<float>(v[t * D + d]);
+  }
+  template <int P, typename T>
+  static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
+                    RowPrefetch& pf) {
+    f32x16 a[GT][P];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) a[g][c] = load(acc + g * D + d + c * kW);
+    for (int64_t t = 0; t < n; ++t) {
+      pf.upto(t + 1);
+      f32x16 vv[P];
+      for (int c = 0; c < P; ++c) vv[c] = load16(v + t * D + d + c * kW);
+      for (int g = 0; g < GT; ++g) {
+        const float pg = p[g * stride + t];
+        for (int c = 0; c < P; ++c) a[g][c] += pg * vv[c];
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) store(acc + g * D + d + c * kW, a[g][c]);
+  }
+};
+
+constexpr int64_t kMaxTile = 8;
+
+// Calls f(HeadTile<gt>{}) for a run-time gt in [1, kMaxTile].
+template <typename F>
+void with_tile(int64_t gt, F&& f) {
+  switch (gt) {
+    case 1: return f(HeadTile<1>{});
+    case 2: return f(HeadTile<2>{});
+    case 3: return f(HeadTile<3>{});
+    case 4: return f(HeadTile<4>{});
+    case 5: return f(HeadTile<5>{});
+    case 6: return f(HeadTile<6>{});
+    case 7: return f(HeadTile<7>{});
+    default: return f(HeadTile<8>{});
+  }
+}
+
+// Online-softmax update of one head for a block of n scores: rescale the running state to the
+// new max and turn the scores into exp(score - max) in place. The running sum of exponentials
+// stays a 16-lane vector (summed once, at the end) so a block costs no horizontal sum.
+__attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, float& max_score, f32x16& exp_sum,
+                                                          float* acc, int64_t D) {
+  // Whole 16-score vectors, the last one padded with -inf (exp gives 0 there), so a block of
+  // 8 costs one vector exp rather than eight scalar ones.
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  auto chunk = [&](int64_t t) {
+    if (t + kW <= n) return load(s + t);
+    f32x16 v = f32x16{} + kNegInf;
+    std::memcpy(&v, s + t, (n - t) * sizeof(float));
+    return v;
+  };
+  f32x16 vmax = chunk(0);
+  for (int64_t t = kW; t < n; t += kW) {
+    const f32x16 c = chunk(t);
+    vmax = c > vmax ? c : vmax;
+  }
+  const float new_max = std::max(max_score, hmax(vmax));
+  if (new_max != max_score) [[unlikely]] {
+    // Rescales the running state; 0 on the first block. Skipped when the max did not move, the
+    // common case once it has settled.
+    const float rescale = std::exp(max_score - new_max);
+    exp_sum *= rescale;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+    max_score = new_max;
+  }
+  for (int64_t t = 0; t < n; t += kW) {
+    const f32x16 e = exp16(chunk(t) - new_max);
+    exp_sum += e;
+    if (t + kW <= n) store(s + t, e);
+    else std::memcpy(s + t, &e, (n - t) * sizeof(float));
+  }
+}
+
+}  // namespace
+}  // namespace minipaged
