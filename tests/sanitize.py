@@ -27,11 +27,11 @@ def cmake() -> str:
     return os.path.join(cm.CMAKE_BIN_DIR, "cmake")
 
 
-def build_emulation(source: Path, build: Path, sanitizer: str) -> Path:
+def build_emulation(source: Path, build: Path, sanitizer: str, build_type: str = "RelWithDebInfo") -> Path:
     """Configures (once) and builds the _emu target; returns the extension's path."""
     if not (build / "build.ninja").exists():
         subprocess.run([cmake(), "-S", str(source), "-B", str(build), "-G", "Ninja", f"-DPython_EXECUTABLE={sys.executable}",
-                        f"-DMINIPAGED_EMULATION_SANITIZER={sanitizer}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"],
+                        f"-DMINIPAGED_EMULATION_SANITIZER={sanitizer}", f"-DCMAKE_BUILD_TYPE={build_type}"],
                        check=True, capture_output=True)
     subprocess.run([cmake(), "--build", str(build), "--target", "_emu"], check=True, capture_output=True, text=True)
     return next(build.glob("_emu*.so"))
