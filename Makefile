@@ -14,7 +14,7 @@ TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 # Python files too: an editable install maps the package's files when it is made.
 SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-ops setup build bench clean
+.PHONY: demo test test-ops setup build bench clean test-sanitize
 
 demo: build
 	$(PY) -m minipaged_ops.demo
@@ -50,3 +50,7 @@ bench: build
 
 clean:
 	rm -rf build $(VENV)
+
+# The emulated CUDA op tests under ASan+UBSan, then TSan (tests/sanitize.py; ~15 min on 2 cores).
+test-sanitize: build
+	$(PY) tests/sanitize.py
