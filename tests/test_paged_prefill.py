@@ -67,6 +67,14 @@ def test_long_histories(dtype, device):
 
 
 @pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_few_tokens_over_a_long_history(dtype, device):
+    # Few thread blocks for a long history: the CUDA kernel splits the history and merges.
+    case = make_prefill_case([8000, 3], [2, 1], 8, 2, 128, 16, dtype, device, seed=17)
+    check(case, 128**-0.5, dtype, max_query_len=2)
+
+
+@pytest.mark.parametrize("device", device_params())
 def test_max_query_len_hint(device):
     case = make_prefill_case([40, 9], [30, 9], 8, 4, 64, 16, torch.float32, device, seed=11)
     check(case, 0.125, torch.float32, max_query_len=30)
