@@ -14,7 +14,7 @@ TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 # Python files too: an editable install maps the package's files when it is made.
 SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-ops test-cpu-isas setup build bench clean
+.PHONY: demo test test-ops test-cpu-isas setup build bench clean test-sanitize
 
 demo: build
 	$(PY) -m minipaged_ops.demo
@@ -22,9 +22,9 @@ demo: build
 test: build $(TF_OLDEST_DIR)/.stamp
 	$(PY) -m pytest tests
 	$(MAKE) test-cpu-isas
-	@echo "--- integration tests again on transformers $(TF_OLDEST)"
+	@echo "--- integration and engine tests again on transformers $(TF_OLDEST)"
 	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_OLDEST)', t.__version__"
-	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k integration -p no:cacheprovider
+	PYTHONPATH=$(TF_OLDEST_DIR) $(PY) -m pytest tests -k "integration or engine" -p no:cacheprovider
 
 # The op tests again under every other CPU kernel variant this CPU runs (the full run above used
 # the best one), forced through MINIPAGED_CPU_ISA.
@@ -60,3 +60,7 @@ bench: build
 
 clean:
 	rm -rf build $(VENV)
+
+# The emulated CUDA op tests under ASan+UBSan, then TSan (tests/sanitize.py; ~15 min on 2 cores).
+test-sanitize: build
+	$(PY) tests/sanitize.py

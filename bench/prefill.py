@@ -51,7 +51,7 @@ def make_case(history, new, args, dtype, seed=0):
 
 
 def kernels(p, query, cu_seqlens_q, history):
-    """(paged op, baseline) as closures returning [new, num_heads, head_dim]."""
+    """(paged op, baseline, the baseline's gather alone or None) as closures."""
     q4 = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, head_dim]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     new = query.shape[0]
@@ -63,22 +63,27 @@ def kernels(p, query, cu_seqlens_q, history):
     if history == 0:
         def baseline():
             return sdpa(q4, p.key, p.value, is_causal=True, scale=p.scale, enable_gqa=True)[0].transpose(0, 1)
+        gather = None
     else:
         seq_len = history + new
         mask = torch.arange(seq_len)[None, :] <= torch.arange(history, seq_len)[:, None]  # [new, seq_len]
         blocks = p.block_tables[0].long()
 
-        def baseline():
+        def gather():
             k = p.key_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len].unsqueeze(0)
             v = p.value_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len].unsqueeze(0)
+            return k, v
+
+        def baseline():
+            k, v = gather()
             return sdpa(q4, k, v, attn_mask=mask, scale=p.scale, enable_gqa=True)[0].transpose(0, 1)
-    return paged, baseline
+    return paged, baseline, gather
 
 
 def measure(history, new, dtype_name, args):
     dtype = DTYPES[dtype_name]
     p, query, cu = make_case(history, new, args, dtype)
-    paged, baseline = kernels(p, query, cu, history)
+    paged, baseline, gather = kernels(p, query, cu, history)
     f64 = lambda t: t.double()  # noqa: E731
     expected = reference.paged_attention_prefill(f64(query), f64(p.key_cache), f64(p.value_cache), p.block_tables,
                                                  cu, p.seq_lens, p.scale)
@@ -88,10 +93,12 @@ def measure(history, new, dtype_name, args):
     if err > tol:
         raise SystemExit(f"paged_attention_prefill is off the reference by {err:.2e} (> {tol}) at history {history}, "
                          f"new {new}, {dtype_name}")
-    t = interleaved_medians({"paged": paged, "baseline": baseline}, args.iters)
+    fns = {"paged": paged, "baseline": baseline} | ({"gather": gather} if gather else {})
+    t = interleaved_medians(fns, args.iters)
     return dict(dtype=dtype_name, history=history, new=new, baseline="sdpa causal" if history == 0 else "gather+sdpa",
                 paged_ms=round(t["paged"] * 1e3, 3), baseline_ms=round(t["baseline"] * 1e3, 3),
-                speedup=round(t["baseline"] / t["paged"], 2), max_err=f"{err:.1e}", baseline_err=f"{base_err:.1e}")
+                speedup=round(t["baseline"] / t["paged"], 2), max_err=f"{err:.1e}", baseline_err=f"{base_err:.1e}",
+                gather_share=f"{t['gather'] / t['baseline']:.0%}" if gather else "-")
 
 
 def main(argv=None) -> None:
@@ -114,7 +121,9 @@ def main(argv=None) -> None:
 
     print(f"prefill, heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, block {args.block_size}, "
           f"shuffled blocks; {machine_name()}")
-    columns = ["dtype", "history", "new", "baseline", "paged_ms", "baseline_ms", "speedup", "max_err", "baseline_err"]
+    # gather_share: the time of the baseline's gather alone over the whole baseline's.
+    columns = ["dtype", "history", "new", "baseline", "paged_ms", "baseline_ms", "speedup", "gather_share", "max_err",
+               "baseline_err"]
     rows = []
     for d in dtypes:
         for history, new, wanted in TARGETS:

@@ -1,17 +1,17 @@
 """The "minipaged" attention and mask functions registered in transformers' interfaces.
 
-With a :class:`~.cache.PagedKVCache` (the forward pre-hook passes it as ``minipaged_cache``):
-decode steps attend with ``paged_attention_decode`` straight from the block pools; prefill steps
-use SDPA over the new tokens (and the gathered cached prefix when a conversation continues), with
-transformers' own mask. Without one (plain forward, ``use_cache=False``, another cache class) it
-is transformers' SDPA attention, so it is always correct.
+The attention reads one thing: the step's frozen :class:`~.step.StepMetadata`, made by the shared
+planner (``plan_step``) and passed down by the caller as ``minipaged_step``. The engine passes it
+for every packed step; :class:`~.cache.PagedKVCache`'s forward hook for decode steps, whose tokens
+are then attended with ``paged_attention_decode`` straight from the block pools. Without it
+(prefill steps of ``generate()``, which SDPA runs on the new tokens plus the gathered cached prefix
+with transformers' own mask; a plain forward, ``use_cache=False``, another cache class) it is
+transformers' SDPA attention, so it is always correct.
 """
 
 from __future__ import annotations
 
 import torch
-
-import minipaged_ops
 
 from . import _compat
 from .step import StepMetadata, packed_attention
@@ -25,40 +25,29 @@ def minipaged_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    minipaged_cache=None,
     minipaged_step: StepMetadata | None = None,
     minipaged_kv_caches=None,
     **kwargs,
 ):
-    """``query`` is ``[batch, heads, q_len, head_dim]``; returns ``([batch, q_len, heads, head_dim], None)``.
+    """``query`` is ``[batch, heads, q_len, head_dim]``, ``key``/``value`` this step's
+    ``[batch, kv_heads, q_len, head_dim]``; returns ``([batch, q_len, heads, head_dim], None)``.
 
-    ``minipaged_step`` (with ``minipaged_kv_caches``, one ``(key_cache, value_cache)`` per layer)
-    is the engine's packed step: batch 1, every scheduled token in one row."""
-    if minipaged_step is not None:
-        key_cache, value_cache = minipaged_kv_caches[module.layer_idx]
-        out = packed_attention(
-            query[0].transpose(0, 1).contiguous(),
-            key[0].transpose(0, 1).contiguous(),
-            value[0].transpose(0, 1).contiguous(),
-            key_cache, value_cache, minipaged_step,
-            query.shape[-1] ** -0.5 if scaling is None else scaling,
-        )
-        return out.unsqueeze(0), None
-    if minipaged_cache is None or minipaged_cache._mode != "decode":
+    With ``minipaged_step`` (and ``minipaged_kv_caches``, one ``(key_cache, value_cache)`` per
+    layer) the batch's ``batch * q_len`` tokens are the step's packed tokens, in order: the
+    engine's packed step (batch 1) or a ``PagedKVCache`` decode step (``q_len`` 1). Without it,
+    transformers' SDPA on what the cache returned."""
+    if minipaged_step is None:
         return _compat.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    out = minipaged_ops.paged_attention_decode(
-        query[:, :, 0, :],
-        key,  # the layer's key pool, returned by PagedKVCache.update
-        value,
-        minipaged_cache._block_tables,
-        minipaged_cache._seq_lens,
-        scaling,
+    batch, heads, q_len, head_dim = query.shape
+    key_cache, value_cache = minipaged_kv_caches[module.layer_idx]
+    packed = lambda t: t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim)
+    out = packed_attention(
+        packed(query), packed(key), packed(value), key_cache, value_cache, minipaged_step,
+        head_dim ** -0.5 if scaling is None else scaling,
     )
-    return out.unsqueeze(1), None
+    return out.view(batch, q_len, heads, head_dim), None
 
 
 def minipaged_mask(*args, **kwargs):

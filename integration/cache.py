@@ -19,6 +19,7 @@ sequence length transformers sees grows by the number of new columns).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import weakref
@@ -30,6 +31,7 @@ import minipaged_ops
 from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
 from . import _compat
+from .step import ScheduledChunk, StepMetadata, plan_step
 
 ATTN_IMPLEMENTATION = "minipaged"
 
@@ -142,11 +144,11 @@ class PagedKVCache(_compat.Cache):
         self._mode: str | None = None
         self._in_step = False
         self._step_columns = 0
-        self._slots: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # prefill: slot of every column, -1 for pads
+        self._step: StepMetadata | None = None  # decode: the planner's metadata, on persistent buffers
         self._block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks_per_seq]
         self._seq_lens: torch.Tensor | None = None  # int32 [batch]
         self._slot_buf: torch.Tensor | None = None  # int64 [batch] (decode slot mapping)
-        self._row_idx: torch.Tensor | None = None
         self._gather_blocks = self._gather_offsets = None
         self.peak_blocks_used = 0
 
@@ -219,18 +221,22 @@ class PagedKVCache(_compat.Cache):
         self._mode = None
         self._in_step = False
         self._slots = self._gather_blocks = self._gather_offsets = None
+        self._step = None
 
     # --------------------------------------------------------- transformers Cache API
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the new tokens' K/V into their slots. Returns what the attention function needs:
-        the layer's pools for a decode step, the new K/V for a fresh prefill, and the cached
-        prefix followed by the new K/V (in transformers' column layout) for a continuation."""
+        """Prefill: write the new tokens' K/V into their slots and return what SDPA attends to:
+        the new K/V for a fresh prefill, the cached prefix followed by the new K/V (in
+        transformers' column layout) for a continuation. Decode: return the new K/V untouched;
+        the attention function writes and reads them through the step's metadata."""
         if not self._in_step:
             raise RuntimeError(
                 "PagedKVCache.update called outside a prepared forward: the model is not attached to "
                 "this cache. Build it as PagedKVCache(model, ...) or call cache.attach(model) first."
             )
+        if self._mode == _DECODE:  # the attention writes them, through the step's slot mapping
+            return key_states, value_states
         key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
         b, h, q, d = key_states.shape
         minipaged_ops.reshape_and_cache(
@@ -240,8 +246,6 @@ class PagedKVCache(_compat.Cache):
             value_cache,
             self._slots,
         )
-        if self._mode == _DECODE:
-            return key_cache, value_cache
         if self._mode == _EXTEND:
             past_k = key_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
             past_v = value_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
@@ -335,6 +339,13 @@ class PagedKVCache(_compat.Cache):
         self._step_columns = q
         self._in_step = True
 
+    def _attention_kwargs(self) -> dict:
+        """What the forward passes down to the attention function this step: a decode step's
+        metadata and the pools; nothing for a prefill (SDPA on what ``update`` returns)."""
+        if self._mode == _DECODE:
+            return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
+        return {}
+
     def _end_step(self) -> None:
         if self._in_step:
             self._columns += self._step_columns
@@ -388,21 +399,25 @@ class PagedKVCache(_compat.Cache):
         self._mode = _PREFILL
 
     def _decode(self, tokens, device) -> None:
+        """One token per row: the engine's planner makes the step (every row a one-token chunk),
+        whose tensors are then copied into the persistent buffers, so a compiled decode step
+        sees the same tensors every step."""
         bm = self.block_manager
         self._check_room([1] * len(self._rows))
-        slots, lens = [], []
+        chunks = []
         for b, sid in enumerate(self._rows):
-            slots.append(bm.append_token(sid, tokens[b][0] if tokens is not None else None))
-            lens.append(bm.sequence_length(sid))
+            token = tokens[b][0] if tokens is not None else None
+            bm.append_token(sid, token)
+            chunks.append(ScheduledChunk(sid, [0 if token is None else token], bm.sequence_length(sid) - 1))
         self._apply_copies(device)
-        self._ensure_width(math.ceil(max(lens) / self.block_size))
-        info = torch.tensor([slots, lens], dtype=torch.int64).to(device, non_blocking=True)
-        self._slot_buf.copy_(info[0])
-        self._seq_lens.copy_(info[1])
-        self._block_tables.index_put_(
-            (self._row_idx, (info[1] - 1) // self.block_size), (info[0] // self.block_size).to(torch.int32)
+        meta = plan_step(bm, chunks, device)
+        self._ensure_width(meta.block_tables.shape[1])
+        self._slot_buf.copy_(meta.slot_mapping)
+        self._seq_lens.copy_(meta.seq_lens)
+        self._block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self._step = dataclasses.replace(
+            meta, slot_mapping=self._slot_buf, seq_lens=self._seq_lens, block_tables=self._block_tables
         )
-        self._slots = self._slot_buf
         self._mode = _DECODE
 
     def _extend(self, q, tokens, new_real, real, past, device) -> None:
@@ -487,6 +502,7 @@ class PagedKVCache(_compat.Cache):
         for layer, k, v in zip(self.layers, self.key_cache, self.value_cache):
             layer.keys, layer.values, layer.is_initialized = k, v, True
             layer.device = device
+        self._kv_caches = tuple(zip(self.key_cache, self.value_cache))
 
     def _set_batch_buffers(self, batch: int, device) -> None:
         if self._block_tables is not None and self._block_tables.shape[0] == batch and self._block_tables.device == device:
@@ -494,7 +510,6 @@ class PagedKVCache(_compat.Cache):
         self._block_tables = torch.zeros(batch, self._max_blocks_per_seq, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self._slot_buf = torch.zeros(batch, dtype=torch.int64, device=device)
-        self._row_idx = torch.arange(batch, device=device)
         for t in (self._block_tables, self._seq_lens, self._slot_buf):
             torch._dynamo.mark_static_address(t)
 
@@ -617,7 +632,7 @@ def _pre_forward(module, args, kwargs):
         )
     input_ids, inputs_embeds, attention_mask = _compat.find_inputs(args, kwargs)
     cache._begin_step(module, input_ids, inputs_embeds, attention_mask)
-    return args, {**kwargs, "minipaged_cache": cache}
+    return args, {**kwargs, **cache._attention_kwargs()}
 
 
 @torch.compiler.disable

@@ -349,6 +349,7 @@ class LLMEngine:
             self._counters[kind] += len(chunk.token_ids)
         changed: dict[str, _Request] = {}
         now = time.perf_counter()
+        greedy = logits.argmax(-1).tolist()  # one call for every row; sampled rows are redone below
         for row, i in enumerate(meta.sampled):
             seq = chunks[i][0]
             req = seq.request
@@ -359,7 +360,9 @@ class LLMEngine:
                 self._fork(seq)
             for s in req.seqs if seq.index == 0 and len(seq.output_ids) == 0 else [seq]:
                 if s.status == _RUNNING and s.num_computed == len(s.token_ids):
-                    self._accept(s, self._sample(logits[row], s))
+                    params = s.request.params
+                    plain = params.temperature == 0 and params.logprobs is None
+                    self._accept(s, greedy[row] if plain else self._sample(logits[row], s))
         for req in changed.values():
             if all(s.status == _FINISHED for s in req.seqs):
                 req.metrics.finished_time = now

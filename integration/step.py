@@ -28,6 +28,10 @@ import minipaged_ops
 __all__ = ["ScheduledChunk", "StepMetadata", "packed_attention", "plan_step", "prefill_attention"]
 
 
+# How prefill chunks attend: "auto" (the op when this build has it), "op", or "sdpa" (gather + SDPA).
+PREFILL_BACKEND = "auto"
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens of one sequence computed in a step."""
@@ -126,34 +130,38 @@ def packed_attention(query, key, value, key_cache, value_cache, meta: StepMetada
     if nd:
         out[:nd] = minipaged_ops.paged_attention_decode(
             query[:nd].contiguous(), key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-    out[nd:] = prefill_attention(query[nd:], key_cache, value_cache, meta, scale)
+    out[nd:] = prefill_attention(query[nd:], key_cache, value_cache, meta, scale, key[nd:], value[nd:])
     return out
 
 
-def prefill_attention(query, key_cache, value_cache, meta: StepMetadata, scale: float) -> torch.Tensor:
+def prefill_attention(query, key_cache, value_cache, meta: StepMetadata, scale: float,
+                      key=None, value=None) -> torch.Tensor:
     """Causal attention of the prefill chunks (rows ``num_decodes ..``) over their paged history
     and themselves. The one switch point: the ``paged_attention_prefill`` op when this build has
-    it, else a gather of each chunk's blocks and SDPA."""
+    it, else a gather of each chunk's blocks and SDPA (a chunk without history attends to
+    ``key``/``value``, this step's own rows, when given: no gather)."""
     nd = meta.num_decodes
-    if hasattr(torch.ops.minipaged, "paged_attention_prefill"):
+    if PREFILL_BACKEND == "op" or (PREFILL_BACKEND == "auto" and hasattr(torch.ops.minipaged, "paged_attention_prefill")):
         cu = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
         return torch.ops.minipaged.paged_attention_prefill(
             query.contiguous(), key_cache, value_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
             scale, max(meta.query_lens[nd:]))
-    return _gather_sdpa_prefill(query, key_cache, value_cache, meta, scale)
+    return _gather_sdpa_prefill(query, key_cache, value_cache, meta, scale, key, value)
 
 
-def _gather_sdpa_prefill(query, key_cache, value_cache, meta: StepMetadata, scale: float) -> torch.Tensor:
+def _gather_sdpa_prefill(query, key_cache, value_cache, meta: StepMetadata, scale: float, key, value) -> torch.Tensor:
     nd = meta.num_decodes
     block_size = key_cache.shape[2]
     outs, row = [], 0
     for i in range(nd, len(meta.query_lens)):
         q_len, ctx = meta.query_lens[i], meta.context_lens[i]
         q = query[row:row + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
+        if q_len == ctx and key is not None:  # no history: this step's rows are the whole context
+            k, v = key[row:row + q_len].transpose(0, 1), value[row:row + q_len].transpose(0, 1)
+        else:
+            blocks = meta.block_tables[i, : -(-ctx // block_size)].to(torch.int64)
+            k, v = _gather(key_cache, blocks, ctx), _gather(value_cache, blocks, ctx)
         row += q_len
-        blocks = meta.block_tables[i, : -(-ctx // block_size)].to(torch.int64)
-        k = _gather(key_cache, blocks, ctx)
-        v = _gather(value_cache, blocks, ctx)
         if q_len == ctx:  # no history: plain causal
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # query j sits at position ctx - q_len + j and sees keys up to it

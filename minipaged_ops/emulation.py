@@ -33,12 +33,23 @@ def available() -> bool:
                 torch.ops.load_library(path)
             else:
                 importlib.import_module("minipaged_ops._emu")
+            _register_fakes()
             _loaded = True
         except (ImportError, OSError):
             if path:
                 raise  # asked for by name: a failure to load is an error, not a skip
             _loaded = False
     return _loaded
+
+
+def _register_fakes() -> None:
+    """Each emulated op's fake (for torch.compile) is the real op's: called on fake tensors."""
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace != "minipaged_emu" or name == "build_info":
+            continue
+        real = getattr(torch.ops.minipaged, name)
+        torch.library.register_fake(qualified)(lambda *args, _real=real, **kwargs: _real(*args, **kwargs))
 
 
 def unavailable_reason() -> str:

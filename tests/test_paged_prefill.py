@@ -11,7 +11,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import TOLERANCE, device_params, make_prefill_case
+from conftest import DEVICES, TOLERANCE, device_params, make_prefill_case
 
 def on(device):
     """The torch device of a test device ("emu", the emulated CUDA kernels, runs on CPU tensors)."""
@@ -64,6 +64,14 @@ def test_long_histories(dtype, device):
     pairs = [(4097, 3), (5000, 300), (600, 600), (2049, 1)]
     case = make_prefill_case([n for n, _ in pairs], [q for _, q in pairs], 16, 8, 128, 16, dtype, device, seed=7)
     check(case, 128**-0.5, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_few_tokens_over_a_long_history(dtype, device):
+    # Few thread blocks for a long history: the CUDA kernel splits the history and merges.
+    case = make_prefill_case([8000, 3], [2, 1], 8, 2, 128, 16, dtype, device, seed=17)
+    check(case, 128**-0.5, dtype, max_query_len=2)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -124,7 +132,7 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.minipaged.paged_attention_prefill.default, prefill_args(case))
 
 
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", DEVICES)  # as for decode: the emulated ops have no fakes
 def test_compile_write_then_prefill_matches_eager(device):
     torch._dynamo.reset()
 

@@ -27,6 +27,12 @@ namespace {
 // L1/L2-resident, and each K/V row is reused 64 times per load.
 constexpr int64_t kTileRows = 64;
 
+#if defined(__AVX512F__) && !defined(MINIPAGED_PREFILL_TRANSPOSED)
+#define MINIPAGED_PREFILL_TRANSPOSED 1
+#elif !defined(MINIPAGED_PREFILL_TRANSPOSED)
+#define MINIPAGED_PREFILL_TRANSPOSED 0
+#endif
+
 struct PrefillItem {
   int64_t seq, first_token, num_tokens, kv_head;  // tokens are new-token indices of the sequence
   int64_t cost;                                     // keys read x rows, for scheduling
@@ -37,7 +43,61 @@ struct TileScratch {
   std::vector<float> q, scores, max_score, acc;
   std::vector<f32x16> exp_sum;
   std::vector<c10::BFloat16> q_bf16;
+  std::vector<float> kt;  // one block's keys, transposed 16 at a time
 };
+
+#if defined(__AVX512F__)
+// Q.K for a tile of R query rows against up to 16 keys whose rows were transposed into `kt`
+// ([D][16] floats, or [D/2][16] bfloat16 pairs): one key vector per head-dim step, the query
+// element broadcast, no horizontal sums. The decode kernel's HeadTile keeps the key row
+// layout and pays a horizontal sum per (key, row), which is fine when K is streamed once per
+// query, but here the same block meets 64 query rows, so transposing it once per block pays.
+template <int R>
+void scores_transposed(const float* q, const float* kt, int64_t D, int64_t n, float* scores, int64_t stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(kt + d * 16);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kv, acc[r]);
+  }
+  const __mmask16 live = n >= 16 ? 0xFFFF : (1u << n) - 1;
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(scores + r * stride, live, acc[r]);
+}
+#if defined(__AVX512BF16__)
+template <int R>
+void scores_transposed_bf16(const uint32_t* q_pairs, float scale, const uint32_t* kt, int64_t D, int64_t n,
+                            float* scores, int64_t stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[r * D / 2 + p])), kv);
+  }
+  const __mmask16 live = n >= 16 ? 0xFFFF : (1u << n) - 1;
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(scores + r * stride, live, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+}
+#endif
+
+// Transposes up to 16 key rows (n of them, row stride D elements) into `kt` by gathers: floats
+// as they are, bfloat16 as (d, d+1) pairs. Keys past n read row n - 1 (never used).
+inline void transpose_keys(const float* k, int64_t n, int64_t D, float* kt) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                           _mm512_set1_epi32(static_cast<int>(n - 1))),
+                                          _mm512_set1_epi32(static_cast<int>(D)));
+  for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * 16, _mm512_i32gather_ps(rows, k + d, 4));
+}
+inline void transpose_keys(const c10::BFloat16* k, int64_t n, int64_t D, uint32_t* kt) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                           _mm512_set1_epi32(static_cast<int>(n - 1))),
+                                          _mm512_set1_epi32(static_cast<int>(D / 2)));
+  const int* pairs = reinterpret_cast<const int*>(k);
+  for (int64_t p = 0; p < D / 2; ++p) _mm512_storeu_si512(kt + p * 16, _mm512_i32gather_epi32(rows, pairs + p, 4));
+}
+#endif
+
+template <int G>
+constexpr int tile_rows(HeadTile<G>) { return G; }
 
 template <typename T>
 void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_stride, int64_t q_head_stride,
@@ -51,6 +111,9 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
 #else
   const bool bf16_dot = false;
 #endif
+  // Keys transposed per block for the Q.K tile (AVX-512: float32, and bfloat16 with its pair dot
+  // product); worth it only when enough query rows share the block.
+  [[maybe_unused]] const bool transposed = MINIPAGED_PREFILL_TRANSPOSED && (std::is_same_v<T, float> || bf16_dot) && rows >= 16;
   w.q.resize(rows * D);
   w.scores.resize(rows * B);
   w.max_score.assign(rows, -std::numeric_limits<float>::infinity());
@@ -84,9 +147,42 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
       next_k = RowPrefetch{reinterpret_cast<const char*>(key_cache + next), row_bytes, B};
       next_v = RowPrefetch{reinterpret_cast<const char*>(value_cache + next), row_bytes, B};
     }
+#if defined(__AVX512F__)
+    if (transposed) {
+      const int64_t chunks = (n + 15) / 16, chunk_elems = bf16_dot ? D / 2 * 16 : D * 16;
+      w.kt.resize(chunks * chunk_elems);
+      for (int64_t c = 0; c < chunks; ++c) {
+        if constexpr (std::is_same_v<T, float>)
+          transpose_keys(k + c * 16 * D, std::min<int64_t>(16, n - c * 16), D, reinterpret_cast<float*>(w.kt.data()) + c * chunk_elems);
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          transpose_keys(k + c * 16 * D, std::min<int64_t>(16, n - c * 16), D, reinterpret_cast<uint32_t*>(w.kt.data()) + c * chunk_elems);
+      }
+      next_k.upto(B);
+    }
+#endif
     for (int64_t r0 = live; r0 < rows; r0 += kMaxTile) {
       const int64_t gt = std::min(kMaxTile, rows - r0);
       with_tile(gt, [&](auto tile) {
+#if defined(__AVX512F__)
+        if (transposed) {
+          constexpr int R = tile_rows(decltype(tile){});
+          const int64_t chunk_elems = bf16_dot ? D / 2 * 16 : D * 16;
+          for (int64_t c = 0; c * 16 < n; ++c) {
+            const int64_t m = std::min<int64_t>(16, n - c * 16);
+#if defined(__AVX512BF16__)
+            if (bf16_dot) {
+              scores_transposed_bf16<R>(reinterpret_cast<const uint32_t*>(w.q_bf16.data() + r0 * D), scale,
+                                        reinterpret_cast<const uint32_t*>(w.kt.data()) + c * chunk_elems, D, m,
+                                        scores + r0 * B + c * 16, B);
+              continue;
+            }
+#endif
+            scores_transposed<R>(w.q.data() + r0 * D, reinterpret_cast<const float*>(w.kt.data()) + c * chunk_elems, D, m,
+                                 scores + r0 * B + c * 16, B);
+          }
+          return;
+        }
+#endif
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
           if (bf16_dot) return tile.scores_bf16(w.q_bf16.data() + r0 * D, scale, k, n, D, scores + r0 * B, B, next_k);

@@ -6,8 +6,9 @@
 // bookkeeping (a fiber's state, read by the scheduler) is not kernel data, and the switches carry
 // no happens-before. The edges it does create are the ones CUDA guarantees: the host's writes
 // before a launch are visible to every thread, each thread's writes are visible to the host after
-// it, and the threads of one block are ordered at each __syncthreads. Every block gets fresh TSan
-// fibers, so two blocks touching the same global memory without an atomic are reported too.
+// it, and the threads of one block are ordered at each __syncthreads. Blocks are not ordered among
+// themselves, but thread t of every block is the same TSan fiber (creating fibers per block costs
+// more than the kernels), so only a race between different thread indices of two blocks shows.
 #include "emulation/cuda_emu.h"
 
 #include <sys/mman.h>
@@ -233,6 +234,15 @@ struct StackPool {
 };
 thread_local StackPool stack_pool;
 
+#if defined(EMU_TSAN_API)
+// One TSan fiber per thread index, created once per OS thread and kept.
+void* tsan_fiber(size_t i) {
+  thread_local std::vector<void*> fibers;
+  while (fibers.size() <= i) fibers.push_back(__tsan_create_fiber(0));
+  return fibers[i];
+}
+#endif
+
 // Exchanges the values of a warp whose lanes all wait at a shuffle; false if none is released.
 bool release_warp(Block& b, int warp) {
   const int n = static_cast<int>(b.fibers.size());
@@ -366,16 +376,13 @@ void run_grid(const LaunchConfig& c, void (*body)(void*), void* context) {
         fill_with_nan(shared.get(), c.shared_bytes);
         b.static_shared.clear();
 #if defined(EMU_TSAN_API)
-        // Fresh fibers and barrier objects per block: nothing orders two blocks of a grid.
-        for (Fiber& f : b.fibers) f.tsan_fiber = __tsan_create_fiber(0);
+        // Fresh barrier objects per block: nothing orders two blocks of a grid.
+        for (size_t t = 0; t < threads; ++t) b.fibers[t].tsan_fiber = tsan_fiber(t);
         b.tsan_sync.reset(new char[4]);
         tsan_release(&b.tsan_sync[2]);
 #endif
         run_block(b, seed ? &rng : nullptr);
-#if defined(EMU_TSAN_API)
         tsan_acquire(&b.tsan_sync[3]);
-        for (Fiber& f : b.fibers) __tsan_destroy_fiber(f.tsan_fiber);
-#endif
       }
   current_block = nullptr;
   if (!b.problem.empty()) {
