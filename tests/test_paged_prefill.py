@@ -11,7 +11,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import DEVICES, TOLERANCE, device_params, make_prefill_case
+from conftest import TOLERANCE, device_params, make_prefill_case
 
 def on(device):
     """The torch device of a test device ("emu", the emulated CUDA kernels, runs on CPU tensors)."""
@@ -132,7 +132,7 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.minipaged.paged_attention_prefill.default, prefill_args(case))
 
 
-@pytest.mark.parametrize("device", DEVICES)  # as for decode: the emulated ops have no fakes
+@pytest.mark.parametrize("device", device_params())
 def test_compile_write_then_prefill_matches_eager(device):
     torch._dynamo.reset()
 
