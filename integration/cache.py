@@ -3,9 +3,9 @@ blocks, handed out on demand by a :class:`minipaged_ops.block_manager.KVBlockMan
 
 Data plane (inside ``forward``, traceable, no host sync): every attention layer calls
 ``cache.update``, which writes the new tokens' K/V into their slots with ``reshape_and_cache``;
-decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), prefill steps
-with SDPA over the new tokens plus, for a continued conversation, the cached prefix gathered
-through the block tables.
+decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), a fresh prompt
+with SDPA over its own tokens, and a continued conversation with ``paged_attention_prefill``
+over its paged history (a gather of the prefix + SDPA only when the new columns hold padding).
 
 Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
 ``input_ids``, the attention mask and the cache before every forward. It allocates slots through
@@ -35,7 +35,7 @@ from .step import ScheduledChunk, StepMetadata, plan_step
 
 ATTN_IMPLEMENTATION = "minipaged"
 
-_PREFILL, _EXTEND, _DECODE = "prefill", "extend", "decode"
+_PREFILL, _EXTEND, _CHUNKS, _DECODE = "prefill", "extend", "chunks", "decode"
 
 
 class PagedLayer(_compat.CacheLayerMixin):
@@ -228,14 +228,15 @@ class PagedKVCache(_compat.Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Prefill: write the new tokens' K/V into their slots and return what SDPA attends to:
         the new K/V for a fresh prefill, the cached prefix followed by the new K/V (in
-        transformers' column layout) for a continuation. Decode: return the new K/V untouched;
-        the attention function writes and reads them through the step's metadata."""
+        transformers' column layout) for a padded continuation. Decode and unpadded
+        continuation: return the new K/V untouched; the attention function writes and reads them
+        through the step's metadata."""
         if not self._in_step:
             raise RuntimeError(
                 "PagedKVCache.update called outside a prepared forward: the model is not attached to "
                 "this cache. Build it as PagedKVCache(model, ...) or call cache.attach(model) first."
             )
-        if self._mode == _DECODE:  # the attention writes them, through the step's slot mapping
+        if self._mode in (_DECODE, _CHUNKS):  # the attention writes them, through the step's slot mapping
             return key_states, value_states
         key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
         b, h, q, d = key_states.shape
@@ -342,7 +343,7 @@ class PagedKVCache(_compat.Cache):
     def _attention_kwargs(self) -> dict:
         """What the forward passes down to the attention function this step: a decode step's
         metadata and the pools; nothing for a prefill (SDPA on what ``update`` returns)."""
-        if self._mode == _DECODE:
+        if self._mode in (_DECODE, _CHUNKS):
             return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
         return {}
 
@@ -435,6 +436,16 @@ class PagedKVCache(_compat.Cache):
             slots.extend(row_slots)
         self._apply_copies(device)
         self._refresh_tables()
+        if all(all(r) for r in new_real):
+            # every new column is a real token (the usual chat turn): one chunk per row, attended
+            # over the paged history by paged_attention_prefill, with no gather of the prefix
+            chunks = [
+                ScheduledChunk(sid, tokens[b] if tokens is not None else [0] * q, bm.sequence_length(sid) - q)
+                for b, sid in enumerate(self._rows)
+            ]
+            self._step = plan_step(bm, chunks, device)
+            self._mode = _CHUNKS
+            return
         self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
         # cached prefix in transformers' column layout: column c of row b holds that row's token
         # number (real columns before c); padding columns point anywhere valid and are masked

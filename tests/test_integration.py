@@ -22,7 +22,7 @@ integration = pytest.importorskip("minipaged_ops.integration")
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from minipaged_ops import tiny  # noqa: E402
-from minipaged_ops.integration import OutOfBlocksError, PagedKVCache, _compat  # noqa: E402
+from minipaged_ops.integration import OutOfBlocksError, PagedKVCache, _compat, step  # noqa: E402
 
 VOCAB = 192
 PAD = tiny.PAD
@@ -136,7 +136,11 @@ def test_beam_search_matches_sdpa_with_shared_blocks():
     assert cache.usage()["blocks_shared"] >= 2  # beams share their common prefix blocks
 
 
-def test_chat_turn_continuation_reuses_prefix():
+def test_chat_turn_continuation_reuses_prefix(monkeypatch):
+    # The new turn attends to its paged history through the prefill path (no gather + SDPA).
+    prefill_calls = []
+    original = step.prefill_attention
+    monkeypatch.setattr(step, "prefill_attention", lambda *a, **k: prefill_calls.append(1) or original(*a, **k))
     model = tiny_model()
     ids, mask = ragged_batch([10, 6], seed=7)
     cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
@@ -162,6 +166,7 @@ def test_chat_turn_continuation_reuses_prefix():
     assert torch.equal(out2, ref2)
     assert torch.equal(out2, fresh)
     assert seen[0] == 1 + 5  # only the last generated token and the new turn were computed
+    assert len(prefill_calls) == model.config.num_hidden_layers  # the turn's step, once per layer
     for s, before in blocks_before.items():  # the first turn's full blocks are still the ones in use
         after = cache.block_manager.block_table(s)
         n_full = (cache.block_manager.sequence_length(s) - 1 - 5 - 7) // 8
