@@ -15,7 +15,7 @@ from minipaged_ops import demo  # noqa: E402
 def test_demo_short_run(capsys, tmp_path):
     plot = tmp_path / "usage.png"
     rc = demo.main(["--batch", "3", "--max-new-tokens", "10", "--block-size", "8", "--plot", str(plot),
-                    "--requests", "6"])
+                    "--requests", "6", "--rate", "1e6"])  # all at once: the pool must preempt
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "tokens equal: yes" in out
