@@ -106,6 +106,17 @@ def test_all_scores_far_below_zero(dtype, device):
 
 
 @pytest.mark.parametrize("device", device_params())
+def test_several_chunks_per_cuda_block(device):
+    # Enough (sequence, kv head) pairs to fill two waves of a 132-SM GPU, so the CUDA kernel takes
+    # no split-K and each thread block walks its sequence in several 256-token chunks of shared
+    # scores: a missing barrier between chunks lets a warp overwrite scores another still reads.
+    g = torch.Generator().manual_seed(19)
+    seq_lens = torch.randint(257, 800, (34,), generator=g).tolist()
+    case = make_paged_case(seq_lens, 8, 8, 64, 16, torch.float32, device, seed=19)
+    check(case, 0.125, torch.float32)
+
+
+@pytest.mark.parametrize("device", device_params())
 def test_bitwise_reproducible(device, monkeypatch):
     # Several partitions and a GQA tile of 8: the same input gives the same bits every run. On
     # emu each run takes another random thread order, which reorders any order-dependent sum.
