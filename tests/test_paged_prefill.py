@@ -11,12 +11,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import TOLERANCE, device_params, make_prefill_case
-
-def on(device):
-    """The torch device of a test device ("emu", the emulated CUDA kernels, runs on CPU tensors)."""
-    return "cpu" if device == "emu" else device
-
+from conftest import TOLERANCE, device_params, make_prefill_case, torch_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, 16 and a non-power-of-two one.
@@ -87,7 +82,7 @@ def test_max_query_len_hint(device):
 @pytest.mark.parametrize("device", device_params())
 def test_strided_query(device):
     case = make_prefill_case([40, 3], [12, 3], 8, 4, 64, 8, torch.float32, device, seed=5)
-    fused = torch.randn(15, 8, 3 * 64, device=on(device))
+    fused = torch.randn(15, 8, 3 * 64, device=torch_device(device))
     fused[..., 64:128] = case["query"]
     case["query"] = fused[..., 64:128]  # a slice of a fused qkv projection
     assert not case["query"].is_contiguous()
@@ -142,7 +137,7 @@ def test_compile_write_then_prefill_matches_eager(device):
                                                      seq_lens, 0.125) * 2
 
     g = torch.Generator().manual_seed(0)
-    device = on(device)
+    device = torch_device(device)
     key_cache = torch.randn(8, 2, 16, 64, generator=g).to(device)
     value_cache = torch.randn(8, 2, 16, 64, generator=g).to(device)
     # Sequence 0: 18 cached + 3 new tokens (positions 18..20, block 3 offsets 2..4);
@@ -202,7 +197,7 @@ BAD = [
 
 
 def good_prefill_inputs(device):
-    device = on(device)
+    device = torch_device(device)
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(6, 2, 8, 64, generator=g).to(device)
     return dict(
