@@ -128,19 +128,7 @@ void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::
                "copy_blocks");
 }
 
-}  // namespace
-
-MINIPAGED_CUDA_LIBRARY_IMPL(m) {
-  m.impl("reshape_and_cache", &reshape_and_cache_cuda);
-  m.impl("paged_attention_decode", &paged_attention_decode_cuda);
-  m.impl("copy_blocks", &copy_blocks_cuda);
-}
-
-}  // namespace minipaged
-
 // ---- paged_attention_prefill (kernel in cuda/prefill.cu)
-namespace minipaged {
-namespace {
 
 at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -212,10 +200,11 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
 
 }  // namespace
 
-// The CUDA emulation build (src_cuda/emulation/) defines this to register on its own library.
-#ifndef MINIPAGED_CUDA_LIBRARY_IMPL
-#define MINIPAGED_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(minipaged, CUDA, m)
-#endif
-MINIPAGED_CUDA_LIBRARY_IMPL(m) { m.impl("paged_attention_prefill", &paged_attention_prefill_cuda); }
+MINIPAGED_CUDA_LIBRARY_IMPL(m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_cuda);
+  m.impl("paged_attention_decode", &paged_attention_decode_cuda);
+  m.impl("copy_blocks", &copy_blocks_cuda);
+  m.impl("paged_attention_prefill", &paged_attention_prefill_cuda);
+}
 
 }  // namespace minipaged
