@@ -91,12 +91,13 @@ void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout)
   }
 }
 
-CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
-                                         const at::Tensor& value_cache,
-                                         const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+// The query of an attention op against its caches: [rows, num_heads, head_dim], heads a multiple
+// of the kv heads, the caches' dtype and device. `rows` names the first dimension in messages.
+static CacheLayout check_attention_query(const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache, const char* rows) {
   CacheLayout layout = check_cache_pair(key_cache, value_cache);
   TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == layout.head_dim,
-                    "query: expected shape [num_seqs, num_heads, ", layout.head_dim,
+                    "query: expected shape [", rows, ", num_heads, ", layout.head_dim,
                     "] (head_dim of key_cache), got ", query.sizes());
   TORCH_CHECK_VALUE(query.size(1) > 0 && query.size(1) % layout.num_kv_heads == 0,
                     "query: num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
@@ -104,6 +105,13 @@ CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tens
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query: expected dtype ",
               key_cache.scalar_type(), " (that of key_cache), got ", query.scalar_type());
   check_same_device(query, "query", key_cache);
+  return layout;
+}
+
+CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  const CacheLayout layout = check_attention_query(query, key_cache, value_cache, "num_seqs");
   check_same_device(block_tables, "block_tables", key_cache);
   check_same_device(seq_lens, "seq_lens", key_cache);
   check_index_dtype(block_tables, "block_tables", /*allow_int64=*/false);
@@ -140,16 +148,7 @@ void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_l
 CacheLayout check_paged_attention_prefill(const at::Tensor& query, const at::Tensor& key_cache,
                                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                                           const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens) {
-  CacheLayout layout = check_cache_pair(key_cache, value_cache);
-  TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == layout.head_dim,
-                    "query: expected shape [total_q, num_heads, ", layout.head_dim,
-                    "] (head_dim of key_cache), got ", query.sizes());
-  TORCH_CHECK_VALUE(query.size(1) > 0 && query.size(1) % layout.num_kv_heads == 0,
-                    "query: num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
-                    layout.num_kv_heads, ")");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query: expected dtype ",
-              key_cache.scalar_type(), " (that of key_cache), got ", query.scalar_type());
-  check_same_device(query, "query", key_cache);
+  const CacheLayout layout = check_attention_query(query, key_cache, value_cache, "total_q");
   check_same_device(block_tables, "block_tables", key_cache);
   check_same_device(cu_seqlens_q, "cu_seqlens_q", key_cache);
   check_same_device(seq_lens, "seq_lens", key_cache);
