@@ -13,6 +13,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # is rounded once to the query dtype, plus float32 accumulation error.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
+# The shape grid of the attention op tests (decode and prefill).
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, 16 and a non-power-of-two one.
+HEADS = [(4, 4), (8, 4), (8, 2), (16, 2), (32, 2), (6, 2)]
+HEAD_DIMS = [64, 128, 256]
+BLOCK_SIZES = [8, 16, 32]
+
 
 def device_params(emu=True):
     """Every device, with CUDA marked so it skips cleanly without a GPU.

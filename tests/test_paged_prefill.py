@@ -11,13 +11,7 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import TOLERANCE, device_params, make_prefill_case, torch_device
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, 16 and a non-power-of-two one.
-HEADS = [(4, 4), (8, 4), (8, 2), (16, 2), (32, 2), (6, 2)]
-HEAD_DIMS = [64, 128, 256]
-BLOCK_SIZES = [8, 16, 32]
+from conftest import BLOCK_SIZES, DTYPES, HEAD_DIMS, HEADS, TOLERANCE, device_params, make_prefill_case, torch_device
 
 
 def check(case, scale, dtype, max_query_len=None):
