@@ -325,23 +325,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one packed forward, sample. Returns the requests that
         changed (new tokens, finished or aborted)."""
-        outputs = [self._output(r) for r in self._aborted]
-        self._aborted = []
         chunks = self._schedule()
+        outputs = [self._output(r) for r in self._aborted]
         if not chunks:
+            self._aborted = []
             return outputs
         bm = self.block_manager
-        copies = bm.take_copies()
-        if copies:
-            mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
-            for key_cache, value_cache in self.kv_caches:
-                minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
         self._counters["peak_blocks_used"] = max(self._counters["peak_blocks_used"], bm.num_blocks - bm.num_free_blocks)
-        meta = plan_step(bm, [c for _, c in chunks], self.device)
-        logits = self.model(
-            input_ids=meta.input_ids[None], position_ids=meta.position_ids[None], use_cache=False,
-            logits_to_keep=meta.logits_indices, minipaged_step=meta, minipaged_kv_caches=self.kv_caches,
-        ).logits[0]
+        try:
+            copies = bm.take_copies()
+            if copies:
+                mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+                for key_cache, value_cache in self.kv_caches:
+                    minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
+            meta = plan_step(bm, [c for _, c in chunks], self.device)
+            logits = self.model(
+                input_ids=meta.input_ids[None], position_ids=meta.position_ids[None], use_cache=False,
+                logits_to_keep=meta.logits_indices, minipaged_step=meta, minipaged_kv_caches=self.kv_caches,
+            ).logits[0]
+        except BaseException:  # KeyboardInterrupt, out of memory, a bad model: the engine stays usable
+            self._roll_back(chunks)  # aborted requests stay queued for the next step's report
+            raise
+        self._aborted = []
         self._counters["steps"] += 1
         for seq, chunk in chunks:
             seq.num_computed += len(chunk.token_ids)
@@ -442,6 +447,17 @@ class LLMEngine:
             scheduled.append((seq, ScheduledChunk(seq.seq_id, new, cached, cached + n == len(seq.token_ids))))
             budget -= n
         return self._decodes_first(scheduled)
+
+    def _roll_back(self, scheduled: list[tuple[_Sequence, ScheduledChunk]]) -> None:
+        """Undo a step whose forward failed: none of the K/V it was writing can be trusted, so its
+        sequences go back to the waiting queue as if preempted for recompute (their outputs so far
+        are kept), and blocks filled this step leave the prefix cache."""
+        for seq, _ in reversed(scheduled):
+            self.block_manager.release_sequence(seq.seq_id, written=seq.num_computed)
+            self._running.remove(seq)
+            seq.num_computed = 0
+            seq.status = _WAITING
+            self._waiting.appendleft(seq)
 
     @staticmethod
     def _decodes_first(scheduled: list) -> list:

@@ -321,10 +321,20 @@ class KVBlockManager:
         self._tables[child.row] = self._tables[parent.row]
         self._lens[child.row] = child.length
 
-    def release_sequence(self, seq_id) -> None:
+    def release_sequence(self, seq_id, *, written: Optional[int] = None) -> None:
         """Drop a sequence. Blocks no longer referenced return to the pool (cached ones stay
-        findable until the pool needs them)."""
+        findable until the pool needs them).
+
+        ``written``: how many leading tokens had their keys and values stored (default: all). A
+        caller whose forward failed passes the count from before that step, so that blocks
+        holding tokens that were never written leave the prefix cache instead of being found."""
         seq = self._get(seq_id)
+        if written is not None:
+            if isinstance(written, bool) or not isinstance(written, (int, np.integer)) or not 0 <= written <= seq.length:
+                raise ValueError(f"written must be an int in [0, {seq.length}] for sequence {seq_id!r}, got {written!r}")
+            for b in seq.blocks[written // self.block_size:]:
+                if self._meta[b].key is not None:
+                    self._unregister(b)
         del self._seqs[seq_id]
         # Release tail first so that, within one sequence, deeper blocks are evicted before the
         # blocks they chain from (evicting a parent makes its cached children unreachable).

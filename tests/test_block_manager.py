@@ -446,6 +446,21 @@ def test_blocks_filled_by_append_become_cacheable_only_with_known_tokens():
     assert m2.create_sequence("b", [5, 6, 7, 8, 1]) == 0
 
 
+def test_release_with_written_drops_unwritten_blocks_from_the_prefix_cache():
+    # A failed forward: tokens 0..3 were stored before the step, 4..8 were being written.
+    m = KVBlockManager(8, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3, 4])
+    m.append_tokens("a", [5, 6, 7, 8, 9])
+    before = snapshot(m)
+    for bad in (-1, 10, 2.0, True):
+        with pytest.raises(ValueError, match="written"):
+            m.release_sequence("a", written=bad)
+        assert snapshot(m) == before
+    m.release_sequence("a", written=5)  # block 2 (tokens 5, 6) was only half written
+    assert m.invariants_ok(), m.invariant_violations()
+    assert m.create_sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4
+
+
 def test_never_reports_the_whole_prompt_cached():
     m = KVBlockManager(8, 2, enable_prefix_caching=True)
     m.create_sequence("a", [1, 2, 3, 4])

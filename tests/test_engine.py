@@ -217,6 +217,48 @@ def test_soak_1000_random_requests_with_aborts_and_preemption(mode):
 # ---------------------------------------------------------------- requests, sampling, abort
 
 
+@pytest.mark.parametrize("fail_at", [0, 1, 3, 6])
+def test_a_failed_forward_rolls_the_step_back_and_the_engine_goes_on(fail_at, monkeypatch):
+    """A forward that raises (out of memory, Ctrl-C) leaves no half-written state behind: the
+    step's sequences are recomputed later and blocks filled during it are not prefix-cache hits
+    (the prompts share 16 tokens, so a stale registration would be found and read)."""
+    system = prompts_of([16], seed=11)[0]
+    prompts = prompts_of([6, 19, 3, 10], seed=12, prefix=system)
+    model = engine_model()
+    engine = LLMEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=7)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    engine.abort_request("r3")
+    calls = {"n": 0}
+    forward = type(model).forward
+
+    def failing_forward(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at + 1:
+            raise RuntimeError("planted failure")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", failing_forward)
+    final, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError as err:
+            assert "planted failure" in str(err)
+            failures += 1
+            assert engine.block_manager.invariants_ok(), engine.block_manager.invariant_violations()
+            continue
+        for out in outs:
+            if out.finished:
+                final[out.request_id] = out
+    assert failures == 1
+    assert final["r3"].outputs[0].finish_reason == "abort"
+    for i in range(3):
+        assert final[f"r{i}"].outputs[0].token_ids == reference(prompts[i], 7)
+    assert_all_blocks_free(engine)
+
+
 def test_abort_frees_blocks_at_once_and_is_reported():
     engine = LLMEngine(engine_model(), num_blocks=64, block_size=4)
     engine.add_request("x", prompts_of([30])[0], SamplingParams(max_tokens=50))
