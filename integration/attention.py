@@ -2,11 +2,11 @@
 
 The attention reads one thing: the step's frozen :class:`~.step.StepMetadata`, made by the shared
 planner (``plan_step``) and passed down by the caller as ``minipaged_step``. The engine passes it
-for every packed step; :class:`~.cache.PagedKVCache`'s forward hook for decode steps, whose tokens
-are then attended with ``paged_attention_decode`` straight from the block pools. Without it
-(prefill steps of ``generate()``, which SDPA runs on the new tokens plus the gathered cached prefix
-with transformers' own mask; a plain forward, ``use_cache=False``, another cache class) it is
-transformers' SDPA attention, so it is always correct.
+for every packed step; :class:`~.cache.PagedKVCache`'s forward hook for every step of
+``generate()`` except a prefill with padding among its new columns. Without it (that padded
+prefill, which SDPA runs on the new tokens plus the gathered cached prefix with transformers' own
+mask; a plain forward, ``use_cache=False``, another cache class) it is transformers' SDPA
+attention, so it is always correct.
 """
 
 from __future__ import annotations

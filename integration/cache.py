@@ -3,9 +3,10 @@ blocks, handed out on demand by a :class:`minipaged_ops.block_manager.KVBlockMan
 
 Data plane (inside ``forward``, traceable, no host sync): every attention layer calls
 ``cache.update``, which writes the new tokens' K/V into their slots with ``reshape_and_cache``;
-decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), a fresh prompt
-with SDPA over its own tokens, and a continued conversation with ``paged_attention_prefill``
-over its paged history (a gather of the prefix + SDPA only when the new columns hold padding).
+decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), and prompts and
+continued conversations with ``paged_attention_prefill`` over their paged history, planned like
+the engine's prefill chunks (SDPA over the new tokens, after a gather of the prefix, only when the
+new columns hold padding).
 
 Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
 ``input_ids``, the attention mask and the cache before every forward. It allocates slots through
@@ -226,11 +227,11 @@ class PagedKVCache(_compat.Cache):
     # --------------------------------------------------------- transformers Cache API
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Prefill: write the new tokens' K/V into their slots and return what SDPA attends to:
-        the new K/V for a fresh prefill, the cached prefix followed by the new K/V (in
-        transformers' column layout) for a padded continuation. Decode and unpadded
-        continuation: return the new K/V untouched; the attention function writes and reads them
-        through the step's metadata."""
+        """A prefill with padding: write the new tokens' K/V into their slots and return what
+        SDPA attends to: the new K/V for a fresh prefill, the cached prefix followed by the new
+        K/V (in transformers' column layout) for a continuation. Every other step: return the
+        new K/V untouched; the attention function writes and reads them through the step's
+        metadata."""
         if not self._in_step:
             raise RuntimeError(
                 "PagedKVCache.update called outside a prepared forward: the model is not attached to "
@@ -341,8 +342,8 @@ class PagedKVCache(_compat.Cache):
         self._in_step = True
 
     def _attention_kwargs(self) -> dict:
-        """What the forward passes down to the attention function this step: a decode step's
-        metadata and the pools; nothing for a prefill (SDPA on what ``update`` returns)."""
+        """What the forward passes down to the attention function this step: the step's metadata
+        and the pools; nothing for a padded prefill (SDPA on what ``update`` returns)."""
         if self._mode in (_DECODE, _CHUNKS):
             return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
         return {}
@@ -355,7 +356,7 @@ class PagedKVCache(_compat.Cache):
     def _start_batch(self, batch, q, tokens, new_real, device) -> None:
         bm, bs = self.block_manager, self.block_size
         free_before = bm.num_free_blocks
-        rows, slots, created = [], [], []
+        rows, slots, created, cached_counts = [], [], [], []
         seen: dict[tuple, int] = {}
         try:
             for b in range(batch):
@@ -369,9 +370,11 @@ class PagedKVCache(_compat.Cache):
                     # block, partial last one included; copy-on-write splits them later
                     bm.fork(seen[key], sid)
                     created.append(sid)
+                    cached_counts.append(len(cols))  # the first copy writes them
                 else:
                     cached = bm.create_sequence(sid, token_ids=toks, num_tokens=None if toks is not None else len(cols))
                     created.append(sid)
+                    cached_counts.append(cached)
                     if key is not None:
                         seen[key] = sid
                     table = bm.block_table(sid)
@@ -396,6 +399,16 @@ class PagedKVCache(_compat.Cache):
         self._rows = rows
         self._set_batch_buffers(batch, device)
         self._refresh_tables()
+        if all(all(r) for r in new_real):
+            # no padding: each prompt is one chunk of the shared planner, attended like the
+            # engine's prefill chunks (prefix hits and repeated prompts read, not rewritten)
+            chunks = [
+                ScheduledChunk(sid, tokens[b] if tokens is not None else [0] * q, 0, cached=cached_counts[b])
+                for b, sid in enumerate(rows)
+            ]
+            self._step = plan_step(bm, chunks, device)
+            self._mode = _CHUNKS
+            return
         self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
         self._mode = _PREFILL
 

@@ -40,6 +40,9 @@ class ScheduledChunk:
     token_ids: Sequence[int]  # the tokens computed this step (their K/V get written)
     start: int  # position of the first of them = tokens of the sequence already in the cache
     sample: bool = True  # whether the step needs the logits of its last token
+    # leading tokens whose K/V the cache already holds (a prefix hit that generate() recomputes
+    # anyway): they get slot -1, so shared blocks are read but never rewritten
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ def plan_step(block_manager, chunks: Sequence[ScheduledChunk], device=None) -> S
         n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
         if n == 0:
             raise ValueError(f"plan_step: chunk of sequence {chunk.seq_id!r} has no tokens")
+        if not 0 <= chunk.cached <= n:
+            raise ValueError(f"plan_step: chunk of sequence {chunk.seq_id!r} has cached={chunk.cached}, "
+                             f"expected 0 .. {n} (its number of tokens)")
         held = block_manager.sequence_length(chunk.seq_id)
         if held != end:
             raise ValueError(f"plan_step: sequence {chunk.seq_id!r} holds {held} tokens but its chunk ends at {end}; "
@@ -88,7 +94,8 @@ def plan_step(block_manager, chunks: Sequence[ScheduledChunk], device=None) -> S
             in_decodes = False
         input_ids.extend(chunk.token_ids)
         positions.extend(range(chunk.start, end))
-        slots.extend(block_manager.slot_mapping(chunk.seq_id, chunk.start, end))
+        slots.extend([-1] * chunk.cached)
+        slots.extend(block_manager.slot_mapping(chunk.seq_id, chunk.start + chunk.cached, end))
         query_lens.append(n)
         context_lens.append(end)
         if chunk.sample:

@@ -379,6 +379,12 @@ def test_plan_step_packs_decodes_then_prefill_chunks():
     assert meta.slot_mapping.tolist() == bm.slot_mapping("a", 6) + bm.slot_mapping("b") + bm.slot_mapping("c", 7)
     with pytest.raises(ValueError, match="holds 9 tokens"):
         plan_step(bm, [ScheduledChunk("c", [8], 9)])
+    # cached leading tokens (generate() recomputing a prefix hit) are read, not written
+    meta = plan_step(bm, [ScheduledChunk("c", list(range(9)), 0, cached=4)])
+    assert meta.slot_mapping.tolist() == [-1] * 4 + bm.slot_mapping("c", 4)
+    for bad in (-1, 10):
+        with pytest.raises(ValueError, match=f"cached={bad}, expected 0 .. 9"):
+            plan_step(bm, [ScheduledChunk("c", list(range(9)), 0, cached=bad)])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
