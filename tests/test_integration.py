@@ -136,13 +136,19 @@ def test_beam_search_matches_sdpa_with_shared_blocks():
     assert cache.usage()["blocks_shared"] >= 2  # beams share their common prefix blocks
 
 
-def test_unpadded_prompts_prefill_through_the_planner_with_prefix_hits_and_repeats(monkeypatch):
+@pytest.fixture
+def prefill_calls(monkeypatch) -> list:
+    """One entry per call of the planner's prefill attention (once per layer per step)."""
+    calls = []
+    original = step.prefill_attention
+    monkeypatch.setattr(step, "prefill_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_unpadded_prompts_prefill_through_the_planner_with_prefix_hits_and_repeats(prefill_calls):
     # Prompts of one length (no padding) are prefilled as the engine's chunks: packed attention
     # over the paged cache; a repeated prompt and a prefix hit are read from the shared blocks,
     # never rewritten (a second write of a slot is rejected by reshape_and_cache).
-    prefill_calls = []
-    original = step.prefill_attention
-    monkeypatch.setattr(step, "prefill_attention", lambda *a, **k: prefill_calls.append(1) or original(*a, **k))
     model = tiny_model()
     ids, mask = ragged_batch([21, 21], seed=17)
     kwargs = dict(max_new_tokens=9, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=3)
@@ -159,11 +165,8 @@ def test_unpadded_prompts_prefill_through_the_planner_with_prefix_hits_and_repea
     check_memory(cache)
 
 
-def test_chat_turn_continuation_reuses_prefix(monkeypatch):
+def test_chat_turn_continuation_reuses_prefix(prefill_calls):
     # The new turn attends to its paged history through the prefill path (no gather + SDPA).
-    prefill_calls = []
-    original = step.prefill_attention
-    monkeypatch.setattr(step, "prefill_attention", lambda *a, **k: prefill_calls.append(1) or original(*a, **k))
     model = tiny_model()
     ids, mask = ragged_batch([10, 6], seed=7)
     cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
