@@ -1,11 +1,9 @@
 """The "minipaged" attention and mask functions registered in transformers' interfaces.
 
 The attention reads one thing: the step's frozen :class:`~.step.StepMetadata`, made by the shared
-planner (``plan_step``) and passed down by the caller as ``minipaged_step``. The engine passes it
-for every packed step; :class:`~.cache.PagedKVCache`'s forward hook for every step of
-``generate()`` except a prefill with padding among its new columns. Without it (that padded
-prefill, which SDPA runs on the new tokens plus the gathered cached prefix with transformers' own
-mask; a plain forward, ``use_cache=False``, another cache class) it is transformers' SDPA
+planner (``plan_step``) and passed down by the caller as ``minipaged_step``: the engine for every
+packed step, :class:`~.cache.PagedKVCache`'s forward hook for every step of ``generate()``.
+Without it (a plain forward, ``use_cache=False``, another cache class) it is transformers' SDPA
 attention, so it is always correct.
 """
 
@@ -42,11 +40,16 @@ def minipaged_attention_forward(
         )
     batch, heads, q_len, head_dim = query.shape
     key_cache, value_cache = minipaged_kv_caches[module.layer_idx]
-    packed = lambda t: t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim)
+    index = minipaged_step.token_index
+    def packed(t):
+        t = t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim)
+        return t if index is None else t.index_select(0, index)  # padding columns dropped
     out = packed_attention(
         packed(query), packed(key), packed(value), key_cache, value_cache, minipaged_step,
         head_dim ** -0.5 if scaling is None else scaling,
     )
+    if index is not None:  # padding columns get zeros (transformers masks them out downstream)
+        out = out.new_zeros(batch * q_len, heads, head_dim).index_copy_(0, index, out)
     return out.view(batch, q_len, heads, head_dim), None
 
 

@@ -1,21 +1,20 @@
 """``PagedKVCache``: a transformers ``Cache`` whose keys and values live in a pool of fixed-size
 blocks, handed out on demand by a :class:`minipaged_ops.block_manager.KVBlockManager`.
 
-Data plane (inside ``forward``, traceable, no host sync): every attention layer calls
-``cache.update``, which writes the new tokens' K/V into their slots with ``reshape_and_cache``;
-decode steps then attend with ``paged_attention_decode`` (see ``attention.py``), and prompts and
-continued conversations with ``paged_attention_prefill`` over their paged history, planned like
-the engine's prefill chunks (SDPA over the new tokens, after a gather of the prefix, only when the
-new columns hold padding).
+Data plane (inside ``forward``, traceable, no host sync): every step is planned by the engine's
+planner (``step.plan_step``) and every attention layer runs the engine's ``packed_attention`` on
+the step's real tokens (``attention.py``): it writes their K/V with ``reshape_and_cache``, then
+attends with ``paged_attention_decode`` (decode steps) or ``paged_attention_prefill`` (prompts
+and continued conversations, over their paged history). ``cache.update`` returns the new K/V
+untouched.
 
 Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
 ``input_ids``, the attention mask and the cache before every forward. It allocates slots through
-the block manager (pad tokens of left-padded batches get slot -1, so they are never stored),
-performs the copy-on-write block copies the manager asks for with ``copy_blocks``, and writes the
-slot mapping, block tables and sequence lengths into tensors the layers read. For decode steps
-those are persistent buffers of fixed shape updated in place, so a compiled decode step sees the
-same tensors every step and is not recompiled. A forward post-hook then commits the step (the
-sequence length transformers sees grows by the number of new columns).
+the block manager (pad tokens of left-padded batches are not part of the step, so they are never
+stored), performs the copy-on-write block copies the manager asks for with ``copy_blocks``, and
+plans the step. A decode step's tensors are copied into persistent buffers of fixed shape, so a
+compiled decode step sees the same tensors every step and is not recompiled. A forward post-hook
+then commits the step (the sequence length transformers sees grows by the number of new columns).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .step import ScheduledChunk, StepMetadata, plan_step
 
 ATTN_IMPLEMENTATION = "minipaged"
 
-_PREFILL, _EXTEND, _CHUNKS, _DECODE = "prefill", "extend", "chunks", "decode"
+_CHUNKS, _DECODE = "chunks", "decode"
 
 
 class PagedLayer(_compat.CacheLayerMixin):
@@ -145,12 +144,10 @@ class PagedKVCache(_compat.Cache):
         self._mode: str | None = None
         self._in_step = False
         self._step_columns = 0
-        self._slots: torch.Tensor | None = None  # prefill: slot of every column, -1 for pads
-        self._step: StepMetadata | None = None  # decode: the planner's metadata, on persistent buffers
+        self._step: StepMetadata | None = None  # the planner's metadata (decode: on persistent buffers)
         self._block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks_per_seq]
         self._seq_lens: torch.Tensor | None = None  # int32 [batch]
         self._slot_buf: torch.Tensor | None = None  # int64 [batch] (decode slot mapping)
-        self._gather_blocks = self._gather_offsets = None
         self.peak_blocks_used = 0
 
         if model is not None:
@@ -221,37 +218,18 @@ class PagedKVCache(_compat.Cache):
         self._columns = 0
         self._mode = None
         self._in_step = False
-        self._slots = self._gather_blocks = self._gather_offsets = None
         self._step = None
 
     # --------------------------------------------------------- transformers Cache API
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """A prefill with padding: write the new tokens' K/V into their slots and return what
-        SDPA attends to: the new K/V for a fresh prefill, the cached prefix followed by the new
-        K/V (in transformers' column layout) for a continuation. Every other step: return the
-        new K/V untouched; the attention function writes and reads them through the step's
-        metadata."""
+        """Returns this step's K/V untouched: the attention function writes them into their
+        slots and reads the history through the step's metadata."""
         if not self._in_step:
             raise RuntimeError(
                 "PagedKVCache.update called outside a prepared forward: the model is not attached to "
                 "this cache. Build it as PagedKVCache(model, ...) or call cache.attach(model) first."
             )
-        if self._mode in (_DECODE, _CHUNKS):  # the attention writes them, through the step's slot mapping
-            return key_states, value_states
-        key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
-        b, h, q, d = key_states.shape
-        minipaged_ops.reshape_and_cache(
-            key_states.transpose(1, 2).reshape(b * q, h, d),
-            value_states.transpose(1, 2).reshape(b * q, h, d),
-            key_cache,
-            value_cache,
-            self._slots,
-        )
-        if self._mode == _EXTEND:
-            past_k = key_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
-            past_v = value_cache[self._gather_blocks, :, self._gather_offsets].transpose(1, 2)
-            return torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -330,7 +308,7 @@ class PagedKVCache(_compat.Cache):
                 if not self._rows:
                     self._start_batch(batch, q, tokens, new_real, device)
                 else:
-                    self._extend(q, tokens, new_real, real, past, device)
+                    self._extend(q, tokens, new_real, device)
         except OutOfBlocksError as err:
             # the batch cannot go on: free it, so the cache is ready for the next generate
             self.reset()
@@ -343,10 +321,8 @@ class PagedKVCache(_compat.Cache):
 
     def _attention_kwargs(self) -> dict:
         """What the forward passes down to the attention function this step: the step's metadata
-        and the pools; nothing for a padded prefill (SDPA on what ``update`` returns)."""
-        if self._mode in (_DECODE, _CHUNKS):
-            return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
-        return {}
+        and the pools."""
+        return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
 
     def _end_step(self) -> None:
         if self._in_step:
@@ -356,33 +332,26 @@ class PagedKVCache(_compat.Cache):
     def _start_batch(self, batch, q, tokens, new_real, device) -> None:
         bm, bs = self.block_manager, self.block_size
         free_before = bm.num_free_blocks
-        rows, slots, created, cached_counts = [], [], [], []
+        rows, created, cached_counts = [], [], []
         seen: dict[tuple, int] = {}
         try:
             for b in range(batch):
                 cols = [j for j in range(q) if new_real[b][j]]
                 toks = [tokens[b][j] for j in cols] if tokens is not None else None
                 sid = self._new_seq_id()
-                row_slots = [-1] * q
                 key = tuple(toks) if toks is not None else None
                 if key is not None and key in seen:
                     # identical prompt in the batch (num_return_sequences, beams): share every
                     # block, partial last one included; copy-on-write splits them later
                     bm.fork(seen[key], sid)
-                    created.append(sid)
                     cached_counts.append(len(cols))  # the first copy writes them
                 else:
-                    cached = bm.create_sequence(sid, token_ids=toks, num_tokens=None if toks is not None else len(cols))
-                    created.append(sid)
-                    cached_counts.append(cached)
+                    cached_counts.append(
+                        bm.create_sequence(sid, token_ids=toks, num_tokens=None if toks is not None else len(cols)))
                     if key is not None:
                         seen[key] = sid
-                    table = bm.block_table(sid)
-                    for t, j in enumerate(cols):
-                        if t >= cached:  # cached prefix blocks already hold these tokens
-                            row_slots[j] = table[t // bs] * bs + t % bs
+                created.append(sid)
                 rows.append(sid)
-                slots.extend(row_slots)
         except OutOfBlocksError as err:
             for sid in created:
                 bm.release_sequence(sid)
@@ -399,18 +368,7 @@ class PagedKVCache(_compat.Cache):
         self._rows = rows
         self._set_batch_buffers(batch, device)
         self._refresh_tables()
-        if all(all(r) for r in new_real):
-            # no padding: each prompt is one chunk of the shared planner, attended like the
-            # engine's prefill chunks (prefix hits and repeated prompts read, not rewritten)
-            chunks = [
-                ScheduledChunk(sid, tokens[b] if tokens is not None else [0] * q, 0, cached=cached_counts[b])
-                for b, sid in enumerate(rows)
-            ]
-            self._step = plan_step(bm, chunks, device)
-            self._mode = _CHUNKS
-            return
-        self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
-        self._mode = _PREFILL
+        self._plan_prefill(q, tokens, new_real, cached_counts, device)
 
     def _decode(self, tokens, device) -> None:
         """One token per row: the engine's planner makes the step (every row a one-token chunk),
@@ -434,39 +392,36 @@ class PagedKVCache(_compat.Cache):
         )
         self._mode = _DECODE
 
-    def _extend(self, q, tokens, new_real, real, past, device) -> None:
-        bm, bs = self.block_manager, self.block_size
-        counts = [sum(r) for r in new_real]
-        self._check_room(counts)
-        slots = []
+    def _extend(self, q, tokens, new_real, device) -> None:
+        bm = self.block_manager
+        self._check_room([sum(r) for r in new_real])
         for b, sid in enumerate(self._rows):
             cols = [j for j in range(q) if new_real[b][j]]
             toks = [tokens[b][j] for j in cols] if tokens is not None else None
-            got = bm.append_tokens(sid, toks, num_tokens=None if toks is not None else len(cols))
-            row_slots = [-1] * q
-            for j, s in zip(cols, got):
-                row_slots[j] = s
-            slots.extend(row_slots)
+            bm.append_tokens(sid, toks, num_tokens=None if toks is not None else len(cols))
         self._apply_copies(device)
         self._refresh_tables()
-        if all(all(r) for r in new_real):
-            # every new column is a real token (the usual chat turn): one chunk per row, attended
-            # over the paged history by paged_attention_prefill, with no gather of the prefix
-            chunks = [
-                ScheduledChunk(sid, tokens[b] if tokens is not None else [0] * q, bm.sequence_length(sid) - q)
-                for b, sid in enumerate(self._rows)
-            ]
-            self._step = plan_step(bm, chunks, device)
-            self._mode = _CHUNKS
-            return
-        self._slots = torch.tensor(slots, dtype=torch.int64).to(device)
-        # cached prefix in transformers' column layout: column c of row b holds that row's token
-        # number (real columns before c); padding columns point anywhere valid and are masked
-        past_real = real[:, :past] if real is not None else torch.ones(len(self._rows), past, dtype=torch.bool, device=device)
-        idx = (past_real.to(torch.int64).cumsum(1) - 1).clamp_(min=0)
-        self._gather_blocks = self._block_tables.to(torch.int64).gather(1, idx // bs)
-        self._gather_offsets = idx % bs
-        self._mode = _EXTEND
+        self._plan_prefill(q, tokens, new_real, [0] * len(self._rows), device)
+
+    def _plan_prefill(self, q, tokens, new_real, cached_counts, device) -> None:
+        """Prompts or a continuation (a chat turn): each row's real new tokens are one chunk of
+        the shared planner, attended over the row's paged history like the engine's prefill
+        chunks. Padding columns are not part of the step: ``token_index`` maps the step's packed
+        tokens to their places among the forward's ``batch * q`` columns."""
+        bm = self.block_manager
+        chunks, index = [], []
+        for b, sid in enumerate(self._rows):
+            cols = [j for j in range(q) if new_real[b][j]]
+            if not cols:
+                continue  # only padding in this row's new columns
+            toks = [tokens[b][j] for j in cols] if tokens is not None else [0] * len(cols)
+            chunks.append(ScheduledChunk(sid, toks, bm.sequence_length(sid) - len(cols), cached=cached_counts[b]))
+            index.extend(b * q + j for j in cols)
+        meta = plan_step(bm, chunks, device)
+        if len(index) != len(self._rows) * q:
+            meta = dataclasses.replace(meta, token_index=torch.tensor(index, dtype=torch.int64).to(device))
+        self._step = meta
+        self._mode = _CHUNKS
 
     def _regather(self, src_rows: list[int]) -> None:
         """New row ``i`` continues old row ``src_rows[i]``: forks where an old row is used more

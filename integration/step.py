@@ -19,7 +19,7 @@ chunks, which attend to their cached history plus themselves, causally.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,9 @@ class StepMetadata:
     query_lens: tuple[int, ...]  # host copies, so the prefill path needs no device sync
     context_lens: tuple[int, ...]  # = seq_lens on the host
     sampled: tuple[int, ...]  # chunk index of each row of logits_indices
+    # int64 [total_tokens]: each token's row in the caller's [batch * q_len] layout, when that has
+    # padding (a generate() prefill of ragged prompts); None: the same rows, in order
+    token_index: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

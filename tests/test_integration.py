@@ -181,6 +181,7 @@ def test_chat_turn_continuation_reuses_prefix(prefill_calls):
     mask2 = torch.cat([mask, torch.ones(2, out1.shape[1] - mask.shape[1] + 5, dtype=torch.long)], 1)
     blocks_before = {s: cache.block_manager.block_table(s) for s in cache.sequence_ids}
 
+    prefill_calls.clear()  # the first turn's prompts went through it too
     seen = []
     handle = model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True)
     try:
