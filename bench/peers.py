@@ -90,15 +90,22 @@ def flex_paged(p: DecodeProblem):
 
 
 def ipex_paged(p: DecodeProblem):
-    import intel_extension_for_pytorch as ipex  # noqa: F401
+    """IPEX 2.8's public paged decode; its cache layout [num_blocks, kv_heads, block, head_dim] is
+    ours, so it reads the same pages. The raw torch_ipex op has no argument defaults (15 of them),
+    so the module wrapper is the stable entry point."""
+    import intel_extension_for_pytorch as ipex
 
     num_blocks, kv_heads, block, dim = p.key_cache.shape
     out = torch.empty_like(p.query)
     head_mapping = torch.arange(kv_heads, dtype=torch.int32).repeat_interleave(p.query.size(1) // kv_heads)
     max_len = int(p.seq_lens.max())
-    return lambda: (torch.ops.torch_ipex.single_query_cached_kv_attention(
-        out, p.query, p.key_cache, p.value_cache, head_mapping, p.scale, p.block_tables, p.seq_lens, block,
-        max_len, None), out)[1]
+    decode = ipex.llm.modules.PagedAttention.single_query_cached_kv_attention
+
+    def run():
+        decode(out, p.query, p.key_cache, p.value_cache, head_mapping, p.scale, p.block_tables, p.seq_lens,
+               block, max_len, None)
+        return out
+    return run
 
 
 def main(argv=None) -> None:

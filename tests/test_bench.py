@@ -3,6 +3,7 @@ print the rows those documents read. They measure nothing here; they only must n
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -81,6 +82,17 @@ def test_peers_checks_every_peer_and_prints_the_table(tmp_path):
     assert "minipaged paged: max |out - float64 reference| = " in out
     assert "ipex paged decode" in out  # timed, or said why it was left out
     assert (tmp_path / "peers_float32_2x64.csv").exists() and (tmp_path / "peers_float32_2x64.png").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("intel_extension_for_pytorch") is None,
+                    reason="IPEX is not installed (torch 2.8 side venv: README, Peers)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peers_times_ipex_where_it_imports(dtype):
+    # Where IPEX imports, its row must pass the float64 check and be timed: a call that no longer
+    # matches IPEX's API would otherwise only ever show as a "left out" note.
+    out = run_bench("bench/peers.py", "--batch", "2", "--seq-len", "80", "--iters", "2", "--dtype", dtype)
+    assert "ipex paged decode: max |out - float64 reference| = " in out, out
+    assert re.search(r"^ipex paged decode\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
 
 
 def test_serve_quick_prints_every_row_and_writes_csv_and_png(tmp_path):
