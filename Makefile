@@ -61,6 +61,6 @@ bench: build
 clean:
 	rm -rf build $(VENV)
 
-# The emulated CUDA op tests under ASan+UBSan, then TSan (tests/sanitize.py; ~15 min on 2 cores).
+# The emulated CUDA op tests under ASan+UBSan, then TSan (tests/sanitize.py; ~20 min on 2 cores, not in CI).
 test-sanitize: build
 	$(PY) tests/sanitize.py

@@ -1,14 +1,16 @@
 """Plant known bugs in the CUDA kernels, one at a time, and report which check catches each.
 
-Each mutant is a one-line edit of a copy of src_cuda/cuda/kernels.cu. It is built as the emulation
-extension (src_cuda/emulation/) and the emulated op tests run against it (`pytest -k emu -x`),
+Each mutant is a one-line edit of a copy of src_cuda/cuda/kernels.cu (decode, cache write) or
+prefill.cu. It is built as the emulation extension (src_cuda/emulation/) and the emulated op tests
+run against it (`pytest -k emu -x`),
 first plainly, then with a random thread order (EMU_SEED), then under ASan+UBSan, then TSan,
 stopping at the first that fails. A mutant no stage catches means a missing test.
 
-    .venv/bin/python tests/planted_bugs.py [--only NAME ...] [--stages plain,seed,address,thread]
+    .venv/bin/python tests/planted_bugs.py [--only NAME ...] [--stages plain,seed,address,thread] [--work DIR]
 
 Takes one to a few minutes per mutant and stage on 2 cores (a kernels.cu rebuild each time);
-builds go to build/planted/. Prints a markdown table.
+builds go to build/planted/ (--work: another folder, for a second run beside it). Prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from sanitize import build_emulation, sanitizer_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "planted"
-TESTS = ["tests/test_paged_attention.py", "tests/test_reshape_and_cache.py", "tests/test_op_errors.py"]
+TESTS = ["tests/test_paged_attention.py", "tests/test_reshape_and_cache.py", "tests/test_op_errors.py",
+         "tests/test_paged_prefill.py"]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Mutant:
     bug: str
     old: str
     new: str
+    file: str = "kernels.cu"
 
 
 MUTANTS = [
@@ -74,6 +78,16 @@ MUTANTS = [
            "run_max[g] = -FLT_MAX, run_sum[g] = 0.f;", "run_max[g] = 0.f, run_sum[g] = 0.f;"),
     Mutant("slot_unchecked", "reshape_and_cache skips only negative slots, not those past the cache",
            "if (!layout.valid_slot(slot)) return;", "if (slot < 0) return;"),
+    Mutant("prefill_causal", "prefill: a query row also attends to the key one position after it",
+           "if (r < rows && live[k] && chunk + k <= pos) {", "if (r < rows && live[k] && chunk + k <= pos + 1) {",
+           "prefill.cu"),
+    Mutant("prefill_sync_k", "prefill: no barrier between loading a K tile and the scores that read it",
+           "load_chunk<T, HEAD_DIM>(key_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live);\n"
+           "    __syncthreads();\n",
+           "load_chunk<T, HEAD_DIM>(key_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live);\n",
+           "prefill.cu"),
+    Mutant("prefill_sync_chunk", "prefill: no barrier before the next chunk's K tile overwrites the V tile",
+           "    __syncthreads();  // the previous chunk's V and scores are no longer read\n", "", "prefill.cu"),
 ]
 # atomic_sum also needs the zeroing back and the turns gone: every warp adds at once.
 ATOMIC_EXTRA = [("    if (warp == w && token_in_warp == 0) {", "    if (w == 0 && token_in_warp == 0) {"),
@@ -84,7 +98,7 @@ ATOMIC_EXTRA = [("    if (warp == w && token_in_warp == 0) {", "    if (w == 0 &
 STAGES = {"plain": ("", {}), "seed": ("", {"EMU_SEED": "7"}), "address": ("address", {}), "thread": ("thread", {})}
 
 
-def run_stage(stage: str, timeout: int) -> tuple[bool, str]:
+def run_stage(stage: str, timeout: int, tests: list[str]) -> tuple[bool, str]:
     sanitizer, extra_env = STAGES[stage]
     try:
         # Debug: a kernels.cu rebuild in seconds rather than minutes (the tests run slower).
@@ -96,7 +110,7 @@ def run_stage(stage: str, timeout: int) -> tuple[bool, str]:
         old.unlink()
     env = dict(os.environ, MINIPAGED_EMU_LIBRARY=str(library), **extra_env, **sanitizer_env(sanitizer, log))
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", *TESTS, "-k", "emu", "-x", "-q", "-p", "no:cacheprovider"],
+        done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-k", "emu", "-x", "-q", "-p", "no:cacheprovider"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return True, f"hangs (> {timeout} s)"
@@ -112,35 +126,40 @@ def run_stage(stage: str, timeout: int) -> tuple[bool, str]:
 
 
 def main() -> None:
+    global WORK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--stages", default="plain,seed,address,thread")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per test run")
+    parser.add_argument("--work", type=Path, default=WORK, help="folder for the mutated source and its builds")
     args = parser.parse_args()
+    WORK = args.work.resolve()
     stages = args.stages.split(",")
     if (WORK / "src").exists():
         shutil.rmtree(WORK / "src")
     shutil.copytree(ROOT / "src_cuda", WORK / "src" / "src_cuda")
     shutil.copy(ROOT / "CMakeLists.txt", WORK / "src")
-    kernels = WORK / "src" / "src_cuda" / "cuda" / "kernels.cu"
-    original = kernels.read_text()
     rows = []
     for m in tqdm([m for m in MUTANTS if not args.only or m.name in args.only], desc="mutants"):
-        assert original.count(m.old) == 1, f"{m.name}: the text to mutate is not in kernels.cu once"
+        source = WORK / "src" / "src_cuda" / "cuda" / m.file
+        original = source.read_text()
+        assert original.count(m.old) == 1, f"{m.name}: the text to mutate is not in {m.file} once"
         text = original.replace(m.old, m.new)
         if m.name == "atomic_sum":
             for old, new in ATOMIC_EXTRA:
                 text = text.replace(old, new)
-        kernels.write_text(text)
+        source.write_text(text)
+        # The tests of the mutated kernel first: -x stops at the first failure.
+        tests = sorted(TESTS, key=lambda t: ("prefill" in t) != (m.file == "prefill.cu"))
         caught_by, how = "nothing", ""
         for stage in stages:
-            caught, how = run_stage(stage, args.timeout)
+            caught, how = run_stage(stage, args.timeout, tests)
             if caught:
                 caught_by = stage
                 break
         rows.append(f"| {m.name} | {m.bug} | {caught_by} | {how.replace('|', '/')[:160]} |")
         tqdm.write(rows[-1])
-    kernels.write_text(original)
+        source.write_text(original)
     print("| mutant | planted bug | first stage that fails | how |\n|---|---|---|---|")
     print("\n".join(rows))
 

@@ -10,8 +10,8 @@
 // undefined or hang on: a shuffle naming a lane that exited or waits elsewhere, lanes disagreeing
 // on the mask, threads of a block at different barriers, a barrier some threads never reach.
 // A launch past the limits of compute capability 9.0 fails with CUDA's error code; dynamic shared
-// memory has exactly the requested size and starts NaN-filled. EMU_SEED=n runs the fibers in a
-// random order between sync points. Under -fsanitize=address the fiber stacks are annotated;
+// memory has exactly the requested size and starts NaN-filled. EMU_SCHEDULE (lockstep, random,
+// warp_ahead) and EMU_SEED=n pick the order of the fibers between sync points (runtime.cpp). Under -fsanitize=address the fiber stacks are annotated;
 // under -fsanitize=thread the fibers are TSan fibers and barriers the only happens-before edges.
 //
 // What it cannot show: races between blocks (they never overlap), weak memory ordering, nvcc's

@@ -2,6 +2,14 @@
 // context switch (swapcontext saves the signal mask with a system call on every switch, and a
 // decode block switches hundreds of thousands of times).
 //
+// EMU_SCHEDULE picks how the threads of a block interleave between yields (see Schedule below):
+// `lockstep` rounds (the default; EMU_SEED shuffles each round), `random` (the default when
+// EMU_SEED is set: one random warp at a time, so warps drift any number of shuffles apart) and
+// `warp_ahead` (each warp runs to its next barrier alone, last warp first: the widest skew).
+// A barrier missing between two warps' uses of shared memory then gives a wrong result without
+// a sanitizer; one missing between lanes of one warp whose accesses a full-warp shuffle already
+// orders in execution (not in CUDA's memory model) is left to TSan, where shuffles order nothing.
+//
 // Under TSan this file is built with the TSan fiber API but without instrumentation: its own
 // bookkeeping (a fiber's state, read by the scheduler) is not kernel data, and the switches carry
 // no happens-before. The edges it does create are the ones CUDA guarantees: the host's writes
@@ -287,22 +295,74 @@ bool release_warp(Block& b, int warp) {
   return true;
 }
 
-// Runs one block to completion, or until the first misuse.
-void run_block(Block& b, std::mt19937* shuffle_order) {
+// How the scheduler interleaves the threads of a block between their yields (EMU_SCHEDULE).
+//   lockstep    rounds: every ready thread runs to its next yield, in thread order (with EMU_SEED
+//               in a fresh random order each round); then the shuffles and barriers are released.
+//               No warp gets more than one shuffle ahead of another.
+//   random      (the default when EMU_SEED is set) one warp at a time: a warp picked at random
+//               among those that can move runs its ready lanes (in random order) to their next
+//               yield, and its shuffle is released as soon as all its lanes wait there, so a warp
+//               can pass any number of shuffles while the others stand still: a random walk of
+//               warp skews between barriers.
+//   warp_ahead  deterministic worst skew: the last warp that can move runs until every lane of
+//               it waits at a barrier or has exited, then the one before it, and so on; the last
+//               warp finishes a barrier interval before warp 0 starts it.
+// Barriers release only when every thread of the block waits at one, in every schedule.
+enum class Schedule { kLockstep, kRandom, kWarpAhead };
+
+// Runs the ready lanes of `warp` to their next yield, then releases its shuffle if all its lanes
+// wait there; true if the warp can move again.
+bool step_warp(Block& b, int warp, std::mt19937* lane_order) {
   const int n = static_cast<int>(b.fibers.size());
-  std::vector<int> order(n);
+  int lanes[32], count = 0;
+  for (int l = 0; l < 32 && warp * 32 + l < n; ++l) lanes[count++] = warp * 32 + l;
+  if (lane_order) std::shuffle(lanes, lanes + count, *lane_order);
+  for (int i = 0; i < count; ++i)
+    if (b.fibers[lanes[i]].state == State::kReady) resume(b, b.fibers[lanes[i]]);
+  return release_warp(b, warp);
+}
+
+bool warp_ready(const Block& b, int warp) {
+  const int n = static_cast<int>(b.fibers.size());
+  for (int t = warp * 32; t < n && t < warp * 32 + 32; ++t)
+    if (b.fibers[t].state == State::kReady) return true;
+  return false;
+}
+
+// Runs one block to completion, or until the first misuse.
+void run_block(Block& b, Schedule schedule, std::mt19937* rng) {
+  const int n = static_cast<int>(b.fibers.size()), warps = (n + 31) / 32;
+  std::vector<int> order(n), movable;
   for (int i = 0; i < n; ++i) order[i] = i;
   for (Fiber& f : b.fibers) prepare(f);
   for (;;) {
-    if (shuffle_order) std::shuffle(order.begin(), order.end(), *shuffle_order);
-    for (int i : order)
-      if (b.fibers[i].state == State::kReady) resume(b, b.fibers[i]);
-    // Every fiber now waits at a barrier or a shuffle, or has finished. Shuffles go first: a
-    // barrier releases only when no thread waits anywhere else.
-    bool released = false;
-    for (int w = 0; w < (n + 31) / 32 && b.problem.empty(); ++w) released |= release_warp(b, w);
-    if (!b.problem.empty()) return;
-    if (released) continue;
+    if (schedule == Schedule::kLockstep) {
+      if (rng) std::shuffle(order.begin(), order.end(), *rng);
+      for (int i : order)
+        if (b.fibers[i].state == State::kReady) resume(b, b.fibers[i]);
+      // Every fiber now waits at a barrier or a shuffle, or has finished. Shuffles go first: a
+      // barrier releases only when no thread waits anywhere else.
+      bool released = false;
+      for (int w = 0; w < warps && b.problem.empty(); ++w) released |= release_warp(b, w);
+      if (!b.problem.empty()) return;
+      if (released) continue;
+    } else {
+      // Until no warp can move: every lane waits at a barrier or has exited.
+      for (;;) {
+        movable.clear();
+        for (int w = 0; w < warps; ++w)
+          if (warp_ready(b, w)) movable.push_back(w);
+        if (movable.empty()) break;
+        if (schedule == Schedule::kWarpAhead) {
+          const int w = movable.back();
+          while (step_warp(b, w, nullptr) && b.problem.empty()) {
+          }
+        } else {
+          step_warp(b, movable[std::uniform_int_distribution<size_t>(0, movable.size() - 1)(*rng)], rng);
+        }
+        if (!b.problem.empty()) return;
+      }
+    }
     int done = 0, waiting = 0, line = -1;
     for (Fiber& f : b.fibers) {
       if (f.state == State::kDone) ++done;
@@ -325,6 +385,16 @@ unsigned seed_from_env() {
   return s ? static_cast<unsigned>(std::strtoul(s, nullptr, 10)) : 0;
 }
 
+Schedule schedule_from_env() {
+  const char* s = std::getenv("EMU_SCHEDULE");
+  if (!s || !*s) return std::getenv("EMU_SEED") ? Schedule::kRandom : Schedule::kLockstep;
+  const std::string name = s;
+  if (name == "lockstep") return Schedule::kLockstep;
+  if (name == "random") return Schedule::kRandom;
+  if (name == "warp_ahead") return Schedule::kWarpAhead;
+  fatal("EMU_SCHEDULE must be lockstep, random or warp_ahead");
+}
+
 bool launchable(const LaunchConfig& c) {
   const uint64_t threads = uint64_t{c.block.x} * c.block.y * c.block.z;
   return c.grid.x > 0 && c.grid.y > 0 && c.grid.z > 0 && c.grid.x <= 0x7FFFFFFFu && c.grid.y <= 65535 &&
@@ -345,6 +415,7 @@ void run_grid(const LaunchConfig& c, void (*body)(void*), void* context) {
     return;
   }
   const unsigned seed = seed_from_env();  // read per launch, so a test can vary it
+  const Schedule schedule = schedule_from_env();
   std::mt19937 rng(seed);
   const size_t threads = size_t{c.block.x} * c.block.y * c.block.z;
   // Exactly the bytes the launch asked for, so that ASan reports a read past them.
@@ -381,7 +452,7 @@ void run_grid(const LaunchConfig& c, void (*body)(void*), void* context) {
         b.tsan_sync.reset(new char[4]);
         tsan_release(&b.tsan_sync[2]);
 #endif
-        run_block(b, seed ? &rng : nullptr);
+        run_block(b, schedule, schedule == Schedule::kRandom || seed ? &rng : nullptr);
         tsan_acquire(&b.tsan_sync[3]);
       }
   current_block = nullptr;
