@@ -252,10 +252,23 @@ void prefill_item_lanes(const PrefillItem& item, const T* query, int64_t q_token
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) pair_rows<D>(v, reinterpret_cast<uint32_t*>(w.v_pairs.data()));
 #endif
+    // The next chunk's K/V rows are asked for a share per row group: the blocks are scattered, so
+    // no hardware prefetcher sees them coming, and a steady trickle keeps the FMAs fed.
+    const int64_t next = kpos + kLanes, next_rows = std::min<int64_t>(kLanes, end - next);
+    const int64_t first_live = std::max<int64_t>(0, (kpos - first_pos) * group / kLanes);
+    const int64_t live_groups = row_groups - first_live;
+    int64_t prefetched = 0;
     for (int64_t g = 0; g < row_groups; ++g) {
       // Positions grow with the row: the group's first and last rows bound what it sees.
       const int64_t lowest = first_pos + g * kLanes / group, highest = first_pos + row_of(g, kLanes - 1) / group;
       if (kpos > highest) continue;  // the causal mask hides this chunk from every row
+      for (const int64_t upto = next_rows * (g - first_live + 1) / std::max<int64_t>(1, live_groups); prefetched < upto;
+           ++prefetched) {
+        const int64_t pos = next + prefetched, row = layout.row(block_table[pos / layout.block_size], item.kv_head,
+                                                                pos % layout.block_size);
+        prefetch(reinterpret_cast<const char*>(key_cache + row), D * sizeof(T));
+        prefetch(reinterpret_cast<const char*>(value_cache + row), D * sizeof(T));
+      }
       __m512 s[kLanes];
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
