@@ -12,6 +12,14 @@ Targets (issue 9, Qwen3-0.6B heads 16/8/128, block 16): fresh 1 x 2,048 prompt >
 against the float64 reference before timing; every point is timed in alternation with its
 baseline, caches cold (bench/common.py).
 
+The cached-chunk target rows also time a compute roof in the same alternation: Q.K^T and P.V as
+two dense torch.bmm calls in the same dtype (GQA groups folded into query rows, so one bmm per kv
+head covers every head of its group; contiguous K/V, no softmax, no mask): what this CPU's GEMM
+library (MKL / oneDNN through torch) does with these shapes. It computes every (row, key) pair,
+the causal kernel only those on or below the diagonal, so the roof is the GEMMs' FLOP rate applied
+to the causal FLOPs: roof_ms = bmm time x causal FLOPs / dense FLOPs. "of_roof" is roof_ms over a
+system's time (1.0 = as fast as the GEMM library would be on the causal work alone).
+
     python bench/prefill.py                          # the two targets, float32 and bfloat16
     python bench/prefill.py --sweep --out bench/plots   # + history x new-token sweep, CSV + PNG
 """
@@ -80,10 +88,32 @@ def kernels(p, query, cu_seqlens_q, history):
     return paged, baseline, gather
 
 
-def measure(history, new, dtype_name, args):
+def gemm_roof(p, query, history):
+    """(two dense bmm calls doing Q.K^T and P.V for every head, dense / causal FLOP ratio)."""
+    new, num_heads, head_dim = query.shape
+    num_kv_heads = p.key.shape[1]
+    group = num_heads // num_kv_heads
+    # [kv head, new token x head of the group, head_dim]: the kernel's rows, GQA folded in.
+    q = query.reshape(new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, new * group,
+                                                                                       head_dim).contiguous()
+    k_t = p.key[0].transpose(1, 2).contiguous()  # [kv head, head_dim, keys]
+    v = p.value[0].contiguous()
+    probs = torch.empty(num_kv_heads, new * group, history + new, dtype=query.dtype)
+    out = torch.empty_like(q)
+
+    def gemm():
+        torch.bmm(q, k_t, out=probs)
+        return torch.bmm(probs, v, out=out)
+
+    causal_keys = sum(history + j + 1 for j in range(new))
+    return gemm, new * (history + new) / causal_keys
+
+
+def measure(history, new, dtype_name, args, roof=False):
     dtype = DTYPES[dtype_name]
     p, query, cu = make_case(history, new, args, dtype)
     paged, baseline, gather = kernels(p, query, cu, history)
+    gemm, dense_over_causal = gemm_roof(p, query, history) if roof else (None, None)
     f64 = lambda t: t.double()  # noqa: E731
     expected = reference.paged_attention_prefill(f64(query), f64(p.key_cache), f64(p.value_cache), p.block_tables,
                                                  cu, p.seq_lens, p.scale)
@@ -93,9 +123,16 @@ def measure(history, new, dtype_name, args):
     if err > tol:
         raise SystemExit(f"paged_attention_prefill is off the reference by {err:.2e} (> {tol}) at history {history}, "
                          f"new {new}, {dtype_name}")
-    fns = {"paged": paged, "baseline": baseline} | ({"gather": gather} if gather else {})
+    fns = {"paged": paged, "baseline": baseline} | ({"gather": gather} if gather else {}) | (
+        {"gemm": gemm} if gemm else {})
     t = interleaved_medians(fns, args.iters)
-    return dict(dtype=dtype_name, history=history, new=new, baseline="sdpa causal" if history == 0 else "gather+sdpa",
+    roof = {}
+    if gemm:
+        roof_s = t["gemm"] / dense_over_causal
+        causal_flops = 4 * args.num_heads * args.head_dim * sum(history + j + 1 for j in range(new))
+        roof = dict(roof_ms=round(roof_s * 1e3, 3), roof_gflops=round(causal_flops / roof_s / 1e9, 1),
+                    paged_of_roof=f"{roof_s / t['paged']:.0%}", baseline_of_roof=f"{roof_s / t['baseline']:.0%}")
+    return roof | dict(dtype=dtype_name, history=history, new=new, baseline="sdpa causal" if history == 0 else "gather+sdpa",
                 paged_ms=round(t["paged"] * 1e3, 3), baseline_ms=round(t["baseline"] * 1e3, 3),
                 speedup=round(t["baseline"] / t["paged"], 2), max_err=f"{err:.1e}", baseline_err=f"{base_err:.1e}",
                 gather_share=f"{t['gather'] / t['baseline']:.0%}" if gather else "-")
@@ -127,10 +164,15 @@ def main(argv=None) -> None:
     rows = []
     for d in dtypes:
         for history, new, wanted in TARGETS:
-            row = measure(history, new, d, args)
+            row = measure(history, new, d, args, roof=history > 0)
             row["target"] = f">= {wanted}x: {'met' if row['speedup'] >= wanted else 'NOT met'}"
             rows.append(row)
     print_table(rows, columns + ["target"])
+    if roofs := [r for r in rows if "roof_ms" in r]:
+        print("compute roof (dense torch.bmm Q.K^T + P.V in the same dtype, scaled to the causal FLOPs; "
+              "of_roof = roof time / system time):")
+        print_table(roofs, ["dtype", "history", "new", "roof_ms", "roof_gflops", "paged_ms", "paged_of_roof",
+                            "baseline_ms", "baseline_of_roof"])
     if not args.sweep:
         return
 

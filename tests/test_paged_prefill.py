@@ -92,6 +92,29 @@ def test_no_new_tokens(device):
 
 
 @pytest.mark.parametrize("device", device_params())
+def test_batch_over_65535_sequences(device):
+    # Sequences once sat on gridDim.y, which stops at 65,535 (the emulation checks the limit).
+    # Mostly 0 or 1 new tokens, so that the emulated grid stays cheap.
+    small = make_prefill_case([5, 0, 3, 9], [2, 0, 1, 3], 2, 1, 64, 8, torch.float32, device, seed=19)
+    f64 = {k: (v.double().cpu() if v.is_floating_point() else v.cpu()) for k, v in small.items()}
+    expected = reference.paged_attention_prefill(**f64, scale=0.125)
+    pick = torch.tensor([0] + [2, 1] * 32_767 + [2, 3])  # 65,537 sequences
+    cu = small["cu_seqlens_q"].cpu().long()
+    q_lens = (cu[1:] - cu[:-1])[pick]
+    # Query rows of the big batch: each picked sequence's rows of the small one, in order.
+    rows = torch.repeat_interleave(cu[:-1][pick], q_lens) + torch.arange(int(q_lens.sum())) - torch.repeat_interleave(
+        torch.cumsum(q_lens, 0) - q_lens, q_lens)
+    on = small["query"].device
+    case = dict(small, query=small["query"][rows.to(on)], block_tables=small["block_tables"][pick.to(on)],
+                seq_lens=small["seq_lens"][pick.to(on)],
+                cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_lens, 0)]).to(on, torch.int32))
+    # The hint sizes the CUDA grid (one query tile per sequence); without it, total_q would.
+    out = minipaged_ops.paged_attention_prefill(**case, scale=0.125, max_query_len=3)
+    torch.testing.assert_close(out.double().cpu(), expected[rows], atol=TOLERANCE[torch.float32],
+                               rtol=TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(16, 8), (12, 4), (32, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_one_new_token_each_equals_decode(heads, dtype, device):

@@ -146,7 +146,6 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
   if (max_query_len.has_value())
     TORCH_CHECK_VALUE(*max_query_len >= 0, "max_query_len: expected a non-negative bound, got ", *max_query_len);
   const int64_t num_seqs = seq_lens.size(0), total_q = query.size(0), width = block_tables.size(1);
-  TORCH_CHECK_VALUE(num_seqs <= 65535, "seq_lens: at most 65535 sequences per call on CUDA, got ", num_seqs);
   if (validate_device_data()) {
     const int64_t longest = check_prefill_ranges(block_tables, cu_seqlens_q, seq_lens, total_q, layout);
     if (max_query_len.has_value())

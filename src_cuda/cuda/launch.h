@@ -68,7 +68,7 @@ struct PrefillArgs {
   int64_t max_blocks_per_seq, total_q;
   int num_seqs, num_heads;
   float scale;
-  int query_tiles;              // tiles of (token, head) rows per sequence and kv head: grid.x
+  int query_tiles;              // tiles of (token, head) rows per sequence and kv head (grid.y strides)
   int num_splits;               // 1: one pass writes `out`; >1: the history is split, merged after
   int split_tokens;
   float* partial_out;           // [total_q, num_heads, num_splits, head_dim]

@@ -1,7 +1,7 @@
 // CUDA prefill attention: causal attention for packed new tokens over their sequences' paged
 // history. No torch headers here (see launch.h).
 //
-// One thread block per (tile of kRows query rows, sequence, kv head x history split). A row is
+// One thread block per (sequence, tile of kRows query rows, kv head x history split). A row is
 // one (new token, query head of the kv head's GQA group) pair, token-major, so each K/V row
 // loaded serves every head of the group. The query tile sits in shared memory (float, scaled);
 // K and then V stream through shared memory kKeys tokens at a time with an online softmax
@@ -75,24 +75,23 @@ __device__ void load_chunk(const T* cache, const int32_t* block_table, const Cac
   }
 }
 
+// One (sequence, query tile, kv head x split) of the grid; false when the tile has no rows (nor
+// then has any later tile of the sequence).
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads)
-prefill_kernel(const PrefillArgs a) {
+__device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* smem) {
   constexpr int kSlice = HEAD_DIM / kThreadsPerRow;  // accumulator elements per thread
   constexpr int kStride = HEAD_DIM + 1;
-  extern __shared__ float smem[];
   float* q_tile = smem;                        // [kRows][kStride], scaled
   float* kv_rows = q_tile + kRows * kStride;   // [kKeys][kStride]: K, then V, of one chunk
   float* scores = kv_rows + kKeys * kStride;   // [kRows][kKeys]
   bool* live = reinterpret_cast<bool*>(scores + kRows * kKeys);  // [kKeys]
 
   const int group = a.num_heads / static_cast<int>(a.layout.num_kv_heads);
-  const int seq = blockIdx.y;
   const int kv_head = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
   const SeqSpan span = seq_span(a, seq);
-  const int row0 = blockIdx.x * kRows;  // rows of this sequence and kv head: token * group + g
+  const int row0 = tile * kRows;  // rows of this sequence and kv head: token * group + g
   const int rows = min(kRows, span.q_len * group - row0);
-  if (rows <= 0) return;
+  if (rows <= 0) return false;
 
   // Load the query tile. Row r: token row0 / group + ..., query head kv_head * group + (r % group).
   const T* query = static_cast<const T*>(a.query);
@@ -159,7 +158,7 @@ prefill_kernel(const PrefillArgs a) {
     }
   }
 
-  if (my_row >= rows) return;
+  if (my_row >= rows) return true;
   const int64_t token = span.q_begin + (row0 + my_row) / group;
   const int head = kv_head * group + (row0 + my_row) % group;
   const int64_t th = token * a.num_heads + head;
@@ -173,6 +172,19 @@ prefill_kernel(const PrefillArgs a) {
 #pragma unroll
     for (int j = 0; j < kSlice; ++j) a.partial_out[ts * HEAD_DIM + lane + j * kThreadsPerRow] = acc[j];
     if (lane == 0) a.partial_max[ts] = run_max, a.partial_sum[ts] = run_sum;
+  }
+  return true;
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads)
+prefill_kernel(const PrefillArgs a) {
+  extern __shared__ float smem[];
+  // Sequences on grid.x (up to 2^31 - 1 of them); query tiles on grid.y, which stops at 65,535,
+  // so a block takes tiles blockIdx.y, + gridDim.y, ... (a very long chunk with a large group).
+  for (int tile = blockIdx.y; tile < a.query_tiles; tile += gridDim.y) {
+    if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last tile's shared-memory reads are done
+    if (!prefill_tile<T, HEAD_DIM>(a, blockIdx.x, tile, smem)) return;
   }
 }
 
@@ -201,7 +213,7 @@ merge_splits_kernel(const PrefillArgs a) {
 
 template <typename T, int HEAD_DIM>
 cudaError_t launch_prefill_head_dim(const PrefillArgs& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.query_tiles), static_cast<unsigned>(a.num_seqs),
+  const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(std::min(a.query_tiles, 65535)),
                   static_cast<unsigned>(a.layout.num_kv_heads * a.num_splits));
   const size_t smem = sizeof(float) * ((kRows + kKeys) * (HEAD_DIM + 1) + kRows * kKeys) + kKeys;
   prefill_kernel<T, HEAD_DIM><<<grid, kThreads, smem, stream>>>(a);
