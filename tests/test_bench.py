@@ -46,6 +46,15 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows():
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+def test_huge_pages_prints_both_pools_and_the_probe():
+    # 8 x 512 float32: 16 MiB of K+V, enough whole 2 MiB pages for madvise to act on.
+    out = run_bench("bench/huge_pages.py", "--batch", "8", "--seq-len", "512", "--iters", "2", "--dtype", "float32")
+    for what in ("float32 decode", "read probe (sum)"):
+        for pages in ("4 KiB", "2 MiB"):
+            assert re.search(rf"^{re.escape(what)}\s+{pages}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
+
+
 def test_read_roof_rejects_a_partial_last_block():
     done = subprocess.run([sys.executable, "bench/read_roof.py", "--seq-len", "70"], cwd=ROOT, capture_output=True,
                           text=True)
