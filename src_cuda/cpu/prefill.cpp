@@ -86,10 +86,10 @@ inline void lane_scores(const float* qt, const float* k, __m512 (&s)[kLanes]) {
   }
 }
 
-// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the 16 value rows of v. The
-// accumulator tile is 16 head-dim elements x 16 rows at a time, in registers across the keys.
-template <int D>
-inline void lane_accumulate(const float* p, const float* v, float* ot, __m512 rescale, bool rescaled) {
+// The frame of both P.V updates: per 16-element head-dim panel, the accumulator tile (16 x 16
+// rows) is loaded, rescaled, handed to `add` (the keys' contributions, in registers), stored.
+template <int D, typename Add>
+__attribute__((always_inline)) inline void update_output_tiles(float* ot, __m512 rescale, bool rescaled, Add add) {
   for (int d0 = 0; d0 < D; d0 += kLanes) {
     __m512 a[kLanes];
 #pragma GCC unroll 16
@@ -97,14 +97,22 @@ inline void lane_accumulate(const float* p, const float* v, float* ot, __m512 re
       a[j] = _mm512_load_ps(ot + (d0 + j) * kLanes);
       if (rescaled) a[j] = _mm512_mul_ps(a[j], rescale);
     }
+    add(a, d0);
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) _mm512_store_ps(ot + (d0 + j) * kLanes, a[j]);
+  }
+}
+
+// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the 16 value rows of v.
+template <int D>
+inline void lane_accumulate(const float* p, const float* v, float* ot, __m512 rescale, bool rescaled) {
+  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
     for (int t = 0; t < kLanes; ++t) {
       const __m512 pt = _mm512_load_ps(p + t * kLanes);
 #pragma GCC unroll 16
       for (int j = 0; j < kLanes; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_set1_ps(v[t * D + d0 + j]), a[j]);
     }
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) _mm512_store_ps(ot + (d0 + j) * kLanes, a[j]);
-  }
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -127,22 +135,14 @@ inline void lane_scores_pairs(const uint32_t* qt, const c10::BFloat16* k, __m512
 template <int D>
 inline void lane_accumulate_pairs(const __m512i* p, const uint32_t* v_pairs, float* ot, __m512 rescale,
                                   bool rescaled) {
-  for (int d0 = 0; d0 < D; d0 += kLanes) {
-    __m512 a[kLanes];
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) {
-      a[j] = _mm512_load_ps(ot + (d0 + j) * kLanes);
-      if (rescaled) a[j] = _mm512_mul_ps(a[j], rescale);
-    }
+  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
     for (int i = 0; i < kLanes / 2; ++i) {
       const __m512bh pi = (__m512bh)p[i];
 #pragma GCC unroll 16
       for (int j = 0; j < kLanes; ++j)
         a[j] = _mm512_dpbf16_ps(a[j], pi, (__m512bh)_mm512_set1_epi32(static_cast<int>(v_pairs[i * D + d0 + j])));
     }
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) _mm512_store_ps(ot + (d0 + j) * kLanes, a[j]);
-  }
+  });
 }
 
 // v_pairs[i][d] = (v[2i][d], v[2i+1][d]) as a bfloat16 pair (the first in the low half, as in
