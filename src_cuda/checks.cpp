@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 namespace minipaged {
 namespace {
@@ -78,17 +78,24 @@ void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout)
   const int64_t* s = slots.data_ptr<int64_t>();
   // Tokens are written in parallel on both backends, so two tokens for one slot have no defined
   // winner: that input is rejected (the CUDA path checks it under MINIPAGED_VALIDATE=1 only).
-  std::unordered_map<int64_t, int64_t> first_index;
+  // Sorted copy rather than a hash set: this runs on every cache write, and a sort of a few
+  // thousand slots costs less than as many hash-node allocations.
+  std::vector<int64_t> sorted;
+  sorted.reserve(slots.numel());
   for (int64_t i = 0; i < slots.numel(); ++i) {
     TORCH_CHECK_VALUE(s[i] < layout.num_slots(), "slot_mapping: slot ", s[i], " at index ", i,
                       " is out of range: the cache holds ", layout.num_slots(), " slots (",
                       layout.num_blocks, " blocks x ", layout.block_size,
                       "); use a negative slot to skip a token");
-    if (s[i] < 0) continue;
-    const auto [it, fresh] = first_index.emplace(s[i], i);
-    TORCH_CHECK_VALUE(fresh, "slot_mapping: slot ", s[i], " appears at indices ", it->second, " and ", i,
-                      "; each slot takes at most one token per call");
+    if (s[i] >= 0) sorted.push_back(s[i]);
   }
+  std::sort(sorted.begin(), sorted.end());
+  const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
+  if (repeated == sorted.end()) return;
+  const int64_t* first = std::find(s, s + slots.numel(), *repeated);
+  const int64_t* second = std::find(first + 1, s + slots.numel(), *repeated);
+  TORCH_CHECK_VALUE(false, "slot_mapping: slot ", *repeated, " appears at indices ", first - s, " and ", second - s,
+                    "; each slot takes at most one token per call");
 }
 
 // The query of an attention op against its caches: [rows, num_heads, head_dim], heads a multiple

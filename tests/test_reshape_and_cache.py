@@ -46,6 +46,32 @@ def test_writes_exactly_the_mapped_slots(dtype, block_size, slot_dtype, device):
     assert nan_equal(key_cache, exp_k) and nan_equal(value_cache, exp_v)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_write(dtype, aligned):
+    # Past the CPU kernel's streaming-store limit (1 MiB of K and V written): 2,048 tokens x 4 x
+    # 128 is 4 MiB in float32, 2 MiB in 16-bit dtypes. A cache view one element into its storage
+    # is not 64-byte aligned, which the streaming path must notice (and fall back to plain copies).
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, dim, block_size = 2048, 4, 128, 16
+    num_blocks = tokens // block_size + 3
+    shape = (num_blocks, heads, block_size, dim)
+    numel = num_blocks * heads * block_size * dim
+    key = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    value = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    highest = num_blocks * block_size - 1
+    slots = torch.randperm(highest, generator=g)[:tokens]  # distinct, the highest slot left out
+    slots[3] = highest
+    slots[::7] = -1  # padding tokens: skipped
+    offset = 0 if aligned else 1
+    caches = [torch.full((numel + 1,), float("nan"), dtype=dtype)[offset:offset + numel].view(shape) for _ in range(2)]
+    assert (caches[0].data_ptr() % 64 == 0) == aligned
+    expected = [c.clone() for c in caches]
+    minipaged_ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reference.reshape_and_cache(key, value, expected[0], expected[1], slots)
+    assert nan_equal(caches[0], expected[0]) and nan_equal(caches[1], expected[1])
+
+
 @pytest.mark.parametrize("device", device_params())
 def test_strided_key_value(device):
     device = torch_device(device)
