@@ -3,7 +3,7 @@ over the same bytes, in the same order, with no arithmetic, timed side by side.
 
 A large `sum` over contiguous memory (decode_cpu.py's roof) is the machine's best case. Paged
 decode cannot read that way: it walks each sequence's blocks in table order, and inside a block
-one kv head's K rows, then its V rows. This compiles a small C reader (cc + OpenMP, at first
+all its K rows (every kv head), then all its V rows. This compiles a small C reader (cc + OpenMP, at first
 use) that does exactly that walk, with and without a software prefetch of the next block, so the
 kernel's cost can be split into "the access pattern" and "the kernel itself".
 
@@ -45,11 +45,11 @@ static u64x8 read_region(const char* p, const char* next, int64_t bytes) {
     return a | b;
 }
 
-/* The paged walk: sequences x blocks in table order; per block, per kv head, K rows then V rows. */
+/* The paged walk, in the kernel's order: sequences x blocks in table order; per block, its K
+   rows (every kv head: one run), then its V rows (one run). With `prefetch`, the next block's
+   rows are asked for alongside, as the kernel does. */
 uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
-                    int64_t blocks_per_seq, int64_t num_kv_heads, int64_t head_bytes, int prefetch,
-                    int threads) {
-    const int64_t block_bytes = num_kv_heads * head_bytes;
+                    int64_t blocks_per_seq, int64_t block_bytes, int prefetch, int threads) {
     uint64_t out = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
     for (int64_t item = 0; item < num_seqs * ((blocks_per_seq + 31) / 32); ++item) {
@@ -58,12 +58,9 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
         const int32_t* table = tables + s * blocks_per_seq;
         u64x8 acc = {0};
         for (int64_t j = j0; j < j1; ++j) {
-            const int64_t b = table[j], nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                const int64_t off = b * block_bytes + h * head_bytes, noff = nb * block_bytes + h * head_bytes;
-                acc |= read_region(k + off, nb >= 0 ? k + noff : 0, head_bytes);
-                acc |= read_region(v + off, nb >= 0 ? v + noff : 0, head_bytes);
-            }
+            const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
+            acc |= read_region(k + off, nb >= 0 ? k + nb * block_bytes : 0, block_bytes);
+            acc |= read_region(v + off, nb >= 0 ? v + nb * block_bytes : 0, block_bytes);
         }
         for (int i = 0; i < 8; ++i) out |= acc[i];
     }
@@ -97,7 +94,7 @@ def load_reader() -> ctypes.CDLL:
                        check=True)
     dll = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     dll.read_paged.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
@@ -115,12 +112,12 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     reader = load_reader()
     tables = p.block_tables.contiguous()
-    head_bytes = args.block_size * args.head_dim * p.key_cache.element_size()
+    block_bytes = args.num_kv_heads * args.block_size * args.head_dim * p.key_cache.element_size()
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
 
     def paged_read(prefetch: int):
-        return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), args.num_kv_heads,
-                                         head_bytes, prefetch, threads)
+        return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes,
+                                         prefetch, threads)
 
     flat = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
     fns = {
