@@ -9,6 +9,7 @@ kernel's cost can be split into "the access pattern" and "the kernel itself".
 
     python bench/read_roof.py
     python bench/read_roof.py --dtype bfloat16 --threads 1
+    python bench/read_roof.py --fmas 4    # the read loops with some compute per line
 """
 
 from __future__ import annotations
@@ -32,17 +33,29 @@ READER = r"""
 #include <omp.h>
 typedef uint64_t u64x8 __attribute__((vector_size(64), aligned(8)));
 
+typedef float f32x16 __attribute__((vector_size(64), aligned(8)));
+static int fmas = 0;  /* set by set_fmas() */
+void set_fmas(int n) { fmas = n; }
+
 /* OR of every 64-byte line in [p, p + bytes): a read the compiler cannot drop, with no
-   arithmetic worth the name. With `next`, each line of the same region of the next block is
-   prefetched as the matching line is read. */
+   arithmetic worth the name; or, after set_fmas(n), n dependent multiply-adds on each line
+   (two chains), a stand-in for a kernel's compute. With `next`, each line of the same region
+   of the next block is prefetched as the matching line is read. */
 static u64x8 read_region(const char* p, const char* next, int64_t bytes) {
     u64x8 a = {0}, b = {0};
+    f32x16 fa = {0}, fb = {0};
+    const f32x16 q = fa + 0.999f;
     for (int64_t i = 0; i < bytes; i += 128) {
         if (next) { __builtin_prefetch(next + i); __builtin_prefetch(next + i + 64); }
-        a |= *(const u64x8*)(p + i);
-        b |= *(const u64x8*)(p + i + 64);
+        if (fmas == 0) {
+            a |= *(const u64x8*)(p + i);
+            b |= *(const u64x8*)(p + i + 64);
+        } else {
+            const f32x16 x = *(const f32x16*)(p + i), y = *(const f32x16*)(p + i + 64);
+            for (int w = 0; w < fmas; ++w) { fa = fa * q + x; fb = fb * q + y; }
+        }
     }
-    return a | b;
+    return a | b | (u64x8)(fa + fb);
 }
 
 /* The paged walk, in the kernel's order: sequences x blocks in table order; per block, its K
@@ -59,6 +72,11 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
         u64x8 acc = {0};
         for (int64_t j = j0; j < j1; ++j) {
             const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
+            if (prefetch == 2) {  /* the next run in reading order: this block's V, then the next block's K */
+                acc |= read_region(k + off, v + off, block_bytes);
+                acc |= read_region(v + off, nb >= 0 ? k + nb * block_bytes : 0, block_bytes);
+                continue;
+            }
             acc |= read_region(k + off, nb >= 0 ? k + nb * block_bytes : 0, block_bytes);
             acc |= read_region(v + off, nb >= 0 ? v + nb * block_bytes : 0, block_bytes);
         }
@@ -98,6 +116,7 @@ def load_reader() -> ctypes.CDLL:
     dll.read_paged.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
+    dll.set_fmas.argtypes = [ctypes.c_int]
     return dll
 
 
@@ -105,12 +124,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cpu_decode_args(ap)
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--fmas", type=int, default=0,
+                    help="multiply-adds per 64-byte line in the read loops (default 0: plain reads); with some, "
+                         "the reads show whether this machine overlaps that much compute with the walk")
     args = ap.parse_args(argv)
     if args.seq_len % args.block_size:
         ap.error("--seq-len: must be a multiple of --block-size here (the reader walks whole blocks)")
     p = cpu_decode_problem(args, DTYPES[args.dtype])
     threads = torch.get_num_threads()
     reader = load_reader()
+    reader.set_fmas(args.fmas)
     tables = p.block_tables.contiguous()
     block_bytes = args.num_kv_heads * args.block_size * args.head_dim * p.key_cache.element_size()
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
@@ -125,6 +148,7 @@ def main(argv=None) -> None:
             p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale),
         "read, paged walk": paged_read(0),
         "read, paged walk + prefetch next block": paged_read(1),
+        "read, paged walk + prefetch next run": paged_read(2),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
@@ -133,7 +157,8 @@ def main(argv=None) -> None:
     print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")
     print(f"decode: batch {args.batch} x {args.seq_len}, heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, "
           f"block {args.block_size}, {args.dtype}, shuffled blocks; K+V {p.kv_bytes / 2**20:.0f} MiB; "
-          f"median of {args.iters}, all rows timed in alternation")
+          f"median of {args.iters}, all rows timed in alternation"
+          + (f"; read loops with {args.fmas} multiply-adds per 64-byte line" if args.fmas else ""))
     rows = [dict(what=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
                  kernel_pct=f"{100 * sec / kernel:.0f}%") for name, sec in t.items()]
     print_table(rows, ["what", "ms", "GBps", "kernel_pct"])

@@ -39,11 +39,14 @@ def test_decode_cpu_in_cache_mode_has_no_sdpa_rows():
     assert out.startswith("IN-CACHE") and "sdpa contiguous" not in out
 
 
-def test_read_roof_compiles_its_reader_and_prints_all_rows():
-    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2")
+@pytest.mark.parametrize("fmas", ["0", "2"])
+def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
+    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--fmas", fmas)
     for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
-                "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
+                "read, paged walk + prefetch next run", "read, contiguous (same bytes)",
+                "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    assert ("multiply-adds per 64-byte line" in out) == (fmas != "0")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
