@@ -1,10 +1,11 @@
 """CPU decode with the K/V pool in 2 MiB pages against the same pool in 4 KiB pages.
 
-Paged decode reads each block's K and V as 8 KiB runs (float32, one kv head) at scattered
-addresses, so with 4 KiB pages nearly every run starts a new TLB entry. This copies the pool into
-memory advised with madvise(MADV_HUGEPAGE) before first touch (transparent huge pages in
-`madvise` mode, the common default) and times both pools, and the `sum` read probe over both
-kinds of pages, in one process, alternating, cold caches. Same decode problem as decode_cpu.py.
+Paged decode reads each block's K and V as runs of tens of KiB at scattered addresses, so with
+4 KiB pages nearly every run needs new TLB entries. This copies the pool into memory from
+`minipaged_ops.allocate_kv_cache` (advised MADV_HUGEPAGE before first touch, which transparent
+huge pages in `madvise` mode, the common default, honour; LLMEngine and PagedKVCache allocate
+their pools with it) and times both pools, and the `sum` read probe over both kinds of pages, in
+one process, alternating, cold caches. Same decode problem as decode_cpu.py.
 
     python bench/huge_pages.py
     python bench/huge_pages.py --threads 1 --iters 25
@@ -16,7 +17,6 @@ allocator then advises every allocation of 2 MiB or more), which must be set bef
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -28,26 +28,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
 from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, machine_name, print_table  # noqa: E402
 
-HUGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
 def huge_pages_kb() -> int:
     with open("/proc/self/smaps") as f:
         return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
 
 
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` in memory advised for huge pages before it is first written."""
-    nbytes = t.numel() * t.element_size()
-    raw = torch.empty(nbytes + 2 * HUGE, dtype=torch.uint8)  # untouched, so not yet backed
-    start = -raw.data_ptr() % HUGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes // HUGE * HUGE), MADV_HUGEPAGE):
-        raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE)")
-    out = raw[start:start + nbytes].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    """A copy of `t` in memory advised for huge pages before it is first written (the library's
+    pool allocator, which LLMEngine and PagedKVCache use)."""
+    return minipaged_ops.allocate_kv_cache(t.shape, t.dtype).copy_(t)
 
 
 def main(argv=None) -> None:

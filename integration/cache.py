@@ -472,8 +472,8 @@ class PagedKVCache(_compat.Cache):
             return
         shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         for _ in range(self.num_layers):
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            v = torch.zeros(shape, dtype=dtype, device=device)
+            k = minipaged_ops.allocate_kv_cache(shape, dtype, device).zero_()
+            v = minipaged_ops.allocate_kv_cache(shape, dtype, device).zero_()
             torch._dynamo.mark_static_address(k)
             torch._dynamo.mark_static_address(v)
             self.key_cache.append(k)

@@ -217,8 +217,8 @@ class LLMEngine:
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         # empty, not zeros: the kernels read only slots below seq_lens, which were written first
-        self.kv_caches = tuple((torch.empty(shape, dtype=self.dtype, device=self.device),
-                                torch.empty(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = tuple((minipaged_ops.allocate_kv_cache(shape, self.dtype, self.device),
+                                minipaged_ops.allocate_kv_cache(shape, self.dtype, self.device))
                                for _ in range(self.num_layers))
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)

@@ -27,10 +27,12 @@ from ._ops import (
     supported_cpu_isas,
 )
 from .block_manager import KVBlockManager, OutOfBlocksError
+from .memory import allocate_kv_cache
 
 __all__ = [
     "KVBlockManager",
     "OutOfBlocksError",
+    "allocate_kv_cache",
     "build_info",
     "compiled_backends",
     "copy_blocks",
