@@ -238,7 +238,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
 
 // A cache write of more than this many bytes (K and V together) goes around the cache:
 // streaming stores skip reading each destination line before overwriting it (the "read for
-// ownership" that made a scattered 4,096-token write 0.4-0.75 of a plain copy; 0.9-1.1 with
+// ownership" that made a scattered 4,096-token write 0.4-0.75 of a plain copy; 0.88-1.06 with
 // them, bench/RESULTS.md), as glibc's memcpy does for large copies. Smaller writes, a decode
 // step's, stay cached. A prefill chunk past the limit is then read back from memory by its
 // attention, ~30 us per MiB, small beside that attention's compute. A constant, not the
