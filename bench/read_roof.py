@@ -72,13 +72,11 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
         u64x8 acc = {0};
         for (int64_t j = j0; j < j1; ++j) {
             const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
-            if (prefetch == 2) {  /* the next run in reading order: this block's V, then the next block's K */
-                acc |= read_region(k + off, v + off, block_bytes);
-                acc |= read_region(v + off, nb >= 0 ? k + nb * block_bytes : 0, block_bytes);
-                continue;
-            }
-            acc |= read_region(k + off, nb >= 0 ? k + nb * block_bytes : 0, block_bytes);
-            acc |= read_region(v + off, nb >= 0 ? v + nb * block_bytes : 0, block_bytes);
+            const char* next_k = nb >= 0 ? k + nb * block_bytes : 0;
+            const char* next_v = nb >= 0 ? v + nb * block_bytes : 0;
+            /* prefetch 2: the next run in reading order (this block's V, then the next block's K) */
+            acc |= read_region(k + off, prefetch == 2 ? v + off : next_k, block_bytes);
+            acc |= read_region(v + off, prefetch == 2 ? next_k : next_v, block_bytes);
         }
         for (int i = 0; i < 8; ++i) out |= acc[i];
     }

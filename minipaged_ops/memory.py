@@ -2,7 +2,7 @@
 
 Paged decode reads a pool of tens or hundreds of MiB in scattered 8–64 KiB runs. In 4 KiB pages
 nearly every run needs a fresh TLB entry; in 2 MiB pages one entry covers a whole run and its
-neighbours (``bench/huge_pages.py``: decode 10–29% faster in float32 on the AMD EPYC dev VM).
+neighbours (``bench/huge_pages.py``: decode 13–29% faster in float32 on the AMD EPYC dev VM).
 """
 
 from __future__ import annotations

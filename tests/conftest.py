@@ -21,6 +21,11 @@ HEAD_DIMS = [64, 128, 256]
 BLOCK_SIZES = [8, 16, 32]
 
 
+def nan_equal(a, b):
+    """Equal, NaN included (a cache poisoned with NaN must keep it where nothing was written)."""
+    return torch.equal(torch.nan_to_num(a.cpu().double(), nan=1e300), torch.nan_to_num(b.cpu().double(), nan=1e300))
+
+
 def device_params(emu=True):
     """Every device, with CUDA marked so it skips cleanly without a GPU.
 

@@ -7,13 +7,9 @@ import torch
 
 import minipaged_ops
 from minipaged_ops import reference
-from conftest import device_params, torch_device
+from conftest import device_params, nan_equal, torch_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def nan_equal(a, b):
-    return torch.equal(torch.nan_to_num(a.cpu().double(), nan=1e300), torch.nan_to_num(b.cpu().double(), nan=1e300))
 
 
 @pytest.mark.parametrize("device", device_params())

@@ -294,9 +294,9 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                                {value.const_data_ptr<scalar_t>(), value.stride(0), value.stride(1), value.stride(2)}};
     const int64_t written = 2 * slot_mapping.size(0) * layout.num_kv_heads * D * static_cast<int64_t>(sizeof(scalar_t));
     const bool streaming = written > kStreamingWriteBytes;
+    const int64_t head_stride = layout.block_size * D;  // between one slot's rows of two kv heads
     auto write = [&](const Source& src, scalar_t* dst_base, int64_t i) {
       scalar_t* const first_row = dst_base + layout.slot_row(sp[i], 0);  // one division per token
-      const int64_t head_stride = layout.block_size * D;
       for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
         const scalar_t* from = src.data + i * src.token_stride + h * src.head_stride;
         scalar_t* to = first_row + h * head_stride;
