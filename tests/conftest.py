@@ -15,8 +15,9 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # The shape grid of the attention op tests (decode and prefill).
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, 16 and a non-power-of-two one.
-HEADS = [(4, 4), (8, 4), (8, 2), (16, 2), (32, 2), (6, 2)]
+# (num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, 16 and odd ones (3, 5, 7: the CPU kernels
+# split a group into sub-tiles of at most four heads, so these leave a ragged one).
+HEADS = [(4, 4), (8, 4), (8, 2), (16, 2), (32, 2), (6, 2), (10, 2), (14, 2)]
 HEAD_DIMS = [64, 128, 256]
 BLOCK_SIZES = [8, 16, 32]
 

@@ -77,11 +77,16 @@ def test_empty_batch(device):
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_cpu_head_dim_not_in_cuda_list(device):
-    # The CPU kernel takes any head_dim; the CUDA kernel names the ones it supports.
-    case = make_paged_case([20, 50], 4, 2, 80, 16, torch.float32, device, seed=2)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [40, 72, 80, 96])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_cpu_head_dim_not_in_cuda_list(heads, head_dim, dtype, device):
+    # The CPU kernel takes any head_dim (its fixed-size tiles cover 64, 128 and 256; these take
+    # the general paths and their tails: not a multiple of 16, of 32, of the V panel width);
+    # the CUDA kernel names the ones it supports.
+    case = make_paged_case([20, 50, 3], *heads, head_dim, 16, dtype, device, seed=head_dim)
     if device == "cpu":
-        check(case, 80**-0.5, torch.float32)
+        check(case, head_dim**-0.5, dtype)
     else:
         with pytest.raises(ValueError, match="head_dim"):
             minipaged_ops.paged_attention_decode(**case, scale=1.0)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace minipaged {
 namespace {
@@ -140,7 +141,7 @@ inline void prefetch(const char* p, int64_t bytes) {
 struct RowPrefetch {
   const char* base = nullptr;  // first row of the next block for this kv head; null: nothing to do
   int64_t row_bytes = 0, rows = 0, done = 0;
-  void upto(int64_t row) {  // rows [done, row) of the next block
+  __attribute__((always_inline)) void upto(int64_t row) {  // rows [done, row) of the next block
     if (base == nullptr) return;
     row = std::min(row, rows);
     if (row > done) prefetch(base + done * row_bytes, (row - done) * row_bytes);
@@ -182,8 +183,12 @@ struct HeadTile {
     if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride, pf);
     if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
     if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
+    int64_t t = 0;
+    if (D == 128) t = tokens_by_four<8>(q, k, n, scores, stride, pf);
+    if (D == 64) t = tokens_by_four<4>(q, k, n, scores, stride, pf);
+    if (D == 256) t = tokens_by_four<16>(q, k, n, scores, stride, pf);
     const int64_t Dv = D / kW * kW;
-    for (int64_t t = 0; t < n; ++t) {
+    for (; t < n; ++t) {
       pf.upto(t + 1);
       const T* kt = k + t * D;
       f32x16 acc[GT] = {};
@@ -195,6 +200,39 @@ struct HeadTile {
       for (int64_t d = Dv; d < D; ++d)  // head_dim not a multiple of 16
         for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * static_cast<float>(kt[d]);
     }
+  }
+  // Tiles too big to keep the query in registers: four tokens (rows of k) against H <= 4 query
+  // heads at a time, each 16-element chunk of the H query rows loaded once for all four tokens
+  // (4 + H loads for 4 x H multiply-adds, 4 x H independent chains, one reduction per head).
+  // Returns the tokens done (a multiple of four). DV = head_dim / 16, fixed so that the 4 x H
+  // accumulators stay in registers.
+  template <int DV, typename T>
+  static int64_t tokens_by_four(const float* q, const T* k, int64_t n, float* scores, int64_t stride,
+                                RowPrefetch& pf) {
+    constexpr int64_t D = DV * kW;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      pf.upto(t + 4);
+      four_tokens<DV, (GT < 4 ? GT : 4)>(q, k + t * D, scores + t, stride);
+      if constexpr (GT > 4) four_tokens<DV, GT - 4>(q + 4 * D, k + t * D, scores + 4 * stride + t, stride);
+    }
+    return t;
+  }
+  template <int DV, int H, typename T>
+  static void four_tokens(const float* q, const T* k, float* scores, int64_t stride) {
+    constexpr int64_t D = DV * kW;
+    f32x16 a[4][H];
+    auto chunk = [&](int c, auto first) __attribute__((always_inline)) {
+      f32x16 qv[H];
+      for (int h = 0; h < H; ++h) qv[h] = load(q + h * D + c * kW);
+      for (int i = 0; i < 4; ++i) {
+        const f32x16 kv = load16(k + i * D + c * kW);
+        for (int h = 0; h < H; ++h) a[i][h] = first ? qv[h] * kv : a[i][h] + qv[h] * kv;
+      }
+    };
+    chunk(0, std::true_type{});  // sets the accumulators: no zeroing, which GCC does in memory
+    for (int c = 1; c < DV; ++c) chunk(c, std::false_type{});
+    for (int h = 0; h < H; ++h) store_4_tokens(a[0][h], a[1][h], a[2][h], a[3][h], 1.f, scores + h * stride);
   }
   template <int DV, typename T>  // DV = head_dim / 16
   static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride, RowPrefetch& pf) {
@@ -230,6 +268,11 @@ struct HeadTile {
                           float* scores, int64_t stride, RowPrefetch& pf) {
     auto as_f32x16 = [](__m512 v) { return reinterpret_cast<const f32x16&>(v); };
     int64_t t = 0;
+    if constexpr (GT > 2) {
+      if (D == 128) t = tokens_by_four_bf16<4>(q, scale, k, n, scores, stride, pf);
+      if (D == 64) t = tokens_by_four_bf16<2>(q, scale, k, n, scores, stride, pf);
+      if (D == 256) t = tokens_by_four_bf16<8>(q, scale, k, n, scores, stride, pf);
+    }
     if constexpr (GT <= 2)
       if (D == 128) {  // query tile in registers, four tokens at a time as in scores_fixed
         __m512bh qv[GT][4];
@@ -264,6 +307,39 @@ struct HeadTile {
       store_token(acc, scale, scores, stride, t);
     }
   }
+  // tokens_by_four with the pair dot product. DC = head_dim / 32.
+  template <int DC>
+  static int64_t tokens_by_four_bf16(const c10::BFloat16* q, float scale, const c10::BFloat16* k, int64_t n,
+                                     float* scores, int64_t stride, RowPrefetch& pf) {
+    constexpr int64_t D = DC * 32;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      pf.upto(t + 4);
+      four_tokens_bf16<DC, (GT < 4 ? GT : 4)>(q, scale, k + t * D, scores + t, stride);
+      if constexpr (GT > 4) four_tokens_bf16<DC, GT - 4>(q + 4 * D, scale, k + t * D, scores + 4 * stride + t, stride);
+    }
+    return t;
+  }
+  template <int DC, int H>
+  static void four_tokens_bf16(const c10::BFloat16* q, float scale, const c10::BFloat16* k, float* scores,
+                               int64_t stride) {
+    constexpr int64_t D = DC * 32;
+    __m512 a[4][H];
+    auto chunk = [&](int c, auto first) __attribute__((always_inline)) {
+      __m512bh qv[H];
+      for (int h = 0; h < H; ++h) qv[h] = (__m512bh)_mm512_loadu_si512(q + h * D + c * 32);
+      for (int i = 0; i < 4; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + i * D + c * 32);
+        for (int h = 0; h < H; ++h) a[i][h] = _mm512_dpbf16_ps(first ? _mm512_setzero_ps() : a[i][h], qv[h], kv);
+      }
+    };
+    chunk(0, std::true_type{});
+    for (int c = 1; c < DC; ++c) chunk(c, std::false_type{});
+    auto as_f32x16 = [](__m512 v) { return reinterpret_cast<const f32x16&>(v); };
+    for (int h = 0; h < H; ++h)
+      store_4_tokens(as_f32x16(a[0][h]), as_f32x16(a[1][h]), as_f32x16(a[2][h]), as_f32x16(a[3][h]), scale,
+                     scores + h * stride);
+  }
   // acc[g] += sum_t p[g][t] * v[t] with the same pair dot product, two tokens per instruction:
   // rows t and t+1 are interleaved (unpacklo/hi), so the accumulators hold each 32-element chunk
   // in "unpack order" (see from_unpack_order). The probabilities are rounded to bfloat16 for this
@@ -271,7 +347,6 @@ struct HeadTile {
   static void accumulate_bf16(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D,
                               float* acc, RowPrefetch& pf) {
     constexpr int64_t kMaxPairs = 128;
-    const int64_t pairs = (n + 1) / 2;
     // (p[t], p[t+1]) as a bfloat16 pair is p rounded to bfloat16, read two at a time; a zero
     // pads an odd n.
     alignas(64) uint32_t packed[GT][kMaxPairs];
@@ -281,53 +356,47 @@ struct HeadTile {
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + g * stride + t));
         std::memcpy(&packed[g][t / 2], &b, sizeof(b));
       }
-    if constexpr (GT <= 2)
-      if (D == 128) return accumulate_bf16_rows<4>(packed, v, n, acc, pf);
-    for (int64_t d = 0; d < D; d += 32) {
-      pf.upto(pf.rows * (d + 32) / D);
-      __m512 lo_acc[GT], hi_acc[GT];
-      for (int g = 0; g < GT; ++g) lo_acc[g] = _mm512_loadu_ps(acc + g * D + d), hi_acc[g] = _mm512_loadu_ps(acc + g * D + d + 16);
-      for (int64_t i = 0; i < pairs; ++i) {
-        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + d);
-        const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + d) : _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        for (int g = 0; g < GT; ++g) {
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
-          lo_acc[g] = _mm512_dpbf16_ps(lo_acc[g], lo, pp);
-          hi_acc[g] = _mm512_dpbf16_ps(hi_acc[g], hi, pp);
-        }
-      }
-      for (int g = 0; g < GT; ++g) _mm512_storeu_ps(acc + g * D + d, lo_acc[g]), _mm512_storeu_ps(acc + g * D + d + 16, hi_acc[g]);
-    }
+    // Panels of C 32-element chunks: the 2 x GT x C accumulators stay in registers while V is
+    // walked row pair by row pair, and there are enough of them to hide the dot product's latency.
+    constexpr int C = 2 * GT * 4 <= 24 ? 4 : 2 * GT * 2 <= 24 ? 2 : 1;
+    int64_t d = 0;
+    for (; d + C * 32 <= D; d += C * 32) accumulate_bf16_panel<C>(packed, v, n, D, acc + d, d, pf);
+    for (; d < D; d += 32) accumulate_bf16_panel<1>(packed, v, n, D, acc + d, d, pf);
+    pf.upto(pf.rows);
   }
-  // accumulate_bf16 with the whole accumulator tile (GT x head_dim floats) in registers, so V
-  // is walked row pair by row pair, front to back, and 2 x GT x DC accumulation chains hide the
-  // dot product's latency. DC = head_dim / 32.
-  template <int DC>
-  static void accumulate_bf16_rows(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, float* acc,
-                                   RowPrefetch& pf) {
-    constexpr int64_t D = DC * 32;
-    __m512 lo_acc[GT][DC], hi_acc[GT][DC];
+  // acc[g][0, 32 C) (row stride D) += the pairs' products over v's columns [d, d + 32 C). The first
+  // panel also asks for the next block's rows, a pair at a time.
+  template <int C>
+  static void accumulate_bf16_panel(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, int64_t D,
+                                    float* acc, int64_t d, RowPrefetch& pf) {
+    __m512 lo_acc[GT][C], hi_acc[GT][C];
+#pragma GCC unroll 8
     for (int g = 0; g < GT; ++g)
-      for (int c = 0; c < DC; ++c)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
         lo_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32), hi_acc[g][c] = _mm512_loadu_ps(acc + g * D + c * 32 + 16);
+    v += d;
     for (int64_t i = 0; 2 * i < n; ++i) {
       pf.upto(2 * i + 2);
       __m512bh pp[GT];
+#pragma GCC unroll 8
       for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
-      for (int c = 0; c < DC; ++c) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
         const __m512i a = _mm512_loadu_si512(v + 2 * i * D + c * 32);
         const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * D + c * 32) : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
         for (int g = 0; g < GT; ++g) {
           lo_acc[g][c] = _mm512_dpbf16_ps(lo_acc[g][c], lo, pp[g]);
           hi_acc[g][c] = _mm512_dpbf16_ps(hi_acc[g][c], hi, pp[g]);
         }
       }
     }
-    pf.upto(pf.rows);
+#pragma GCC unroll 8
     for (int g = 0; g < GT; ++g)
-      for (int c = 0; c < DC; ++c)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
         _mm512_storeu_ps(acc + g * D + c * 32, lo_acc[g][c]), _mm512_storeu_ps(acc + g * D + c * 32 + 16, hi_acc[g][c]);
   }
 #endif
@@ -336,9 +405,11 @@ struct HeadTile {
   template <typename T>
   static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc,
                          RowPrefetch& pf) {
-    constexpr int P = GT >= 16 ? 1 : 16 / GT;
+    constexpr int P = GT * 8 <= 16 ? 8 : GT * 4 <= 16 ? 4 : 2;
     int64_t d = 0;
     for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d, pf);
+    if constexpr (P > 4) for (; d + 4 * kW <= D; d += 4 * kW) panel<4>(p, stride, v, n, D, acc, d, pf);
+    if constexpr (P > 2) for (; d + 2 * kW <= D; d += 2 * kW) panel<2>(p, stride, v, n, D, acc, d, pf);
     for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d, pf);
     pf.upto(pf.rows);
     for (; d < D; ++d)
@@ -349,18 +420,25 @@ struct HeadTile {
   static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
                     RowPrefetch& pf) {
     f32x16 a[GT][P];
+#pragma GCC unroll 16
     for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 16
       for (int c = 0; c < P; ++c) a[g][c] = load(acc + g * D + d + c * kW);
     for (int64_t t = 0; t < n; ++t) {
       pf.upto(t + 1);
       f32x16 vv[P];
+#pragma GCC unroll 16
       for (int c = 0; c < P; ++c) vv[c] = load16(v + t * D + d + c * kW);
+#pragma GCC unroll 16
       for (int g = 0; g < GT; ++g) {
         const float pg = p[g * stride + t];
+#pragma GCC unroll 16
         for (int c = 0; c < P; ++c) a[g][c] += pg * vv[c];
       }
     }
+#pragma GCC unroll 16
     for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 16
       for (int c = 0; c < P; ++c) store(acc + g * D + d + c * kW, a[g][c]);
   }
 };
