@@ -136,16 +136,31 @@ inline void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-// The rows of the next block that match the rows being computed, asked for a few at a time as
-// the computation goes: a steady trickle keeps memory busy without a burst that stalls the core.
+// Lines asked for a few at a time as rows are computed: a steady trickle keeps memory busy
+// without a burst that stalls the core. upto(r) asks for bytes [done, r) x row_bytes of a stream
+// that is `base` up to `split` bytes, then `then` (null: nothing past split).
 struct RowPrefetch {
-  const char* base = nullptr;  // first row of the next block for this kv head; null: nothing to do
+  const char* base = nullptr;  // null: nothing to do
   int64_t row_bytes = 0, rows = 0, done = 0;
-  __attribute__((always_inline)) void upto(int64_t row) {  // rows [done, row) of the next block
+  int64_t split = std::numeric_limits<int64_t>::max();
+  const char* then = nullptr;
+  __attribute__((always_inline)) void upto(int64_t row) {  // rows [done, row)
     if (base == nullptr) return;
     row = std::min(row, rows);
-    if (row > done) prefetch(base + done * row_bytes, (row - done) * row_bytes);
-    done = std::max(done, row);
+    if (row <= done) return;
+    const int64_t lo = done * row_bytes, hi = row * row_bytes;
+    prefetch(base + lo, std::min(hi, split) - lo);
+    if (then != nullptr && hi > split) prefetch(then + std::max<int64_t>(lo - split, 0), hi - std::max(lo, split));
+    done = row;
+  }
+  // The stream `ahead` bytes past `offset` in reading order: the rest of this run (`run_bytes`
+  // from `run`), then the next run (`next_run`, may be null). `rows` rows of `row_bytes`.
+  static RowPrefetch ahead(const char* run, int64_t run_bytes, const char* next_run, int64_t offset, int64_t ahead,
+                           int64_t row_bytes, int64_t rows) {
+    const int64_t start = offset + ahead;
+    if (start < run_bytes) return RowPrefetch{run + start, row_bytes, rows, 0, run_bytes - start, next_run};
+    if (next_run == nullptr) return RowPrefetch{};
+    return RowPrefetch{next_run + (start - run_bytes), row_bytes, rows};
   }
 };
 
