@@ -10,6 +10,7 @@ kernel's cost can be split into "the access pattern" and "the kernel itself".
     python bench/read_roof.py
     python bench/read_roof.py --dtype bfloat16 --threads 1
     python bench/read_roof.py --fmas 4    # the read loops with some compute per line
+    python bench/read_roof.py --fmas 8 --independent   # as much compute as the kernel, throughput-bound
 """
 
 from __future__ import annotations
@@ -34,27 +35,39 @@ READER = r"""
 typedef uint64_t u64x8 __attribute__((vector_size(64), aligned(8)));
 
 typedef float f32x16 __attribute__((vector_size(64), aligned(8)));
-static int fmas = 0;  /* set by set_fmas() */
-void set_fmas(int n) { fmas = n; }
+static int fmas = 0, chains = 2;  /* set by set_fmas() */
+void set_fmas(int n, int c) { fmas = n; chains = c; }
 
 /* OR of every 64-byte line in [p, p + bytes): a read the compiler cannot drop, with no
-   arithmetic worth the name; or, after set_fmas(n), n dependent multiply-adds on each line
-   (two chains), a stand-in for a kernel's compute. With `next`, each line of the same region
-   of the next block is prefetched as the matching line is read. */
-static u64x8 read_region(const char* p, const char* next, int64_t bytes) {
+   arithmetic worth the name; or, after set_fmas(n, 2), n dependent multiply-adds on each line
+   (two chains: latency-bound, like a kernel waiting on its own results), or with set_fmas(n, 8)
+   the same multiply-adds spread over eight independent chains (throughput-bound, as a kernel's
+   tiles are). With `next` and ahead == 0, each line of the same region of the next block is
+   prefetched as the matching line is read; with ahead > 0, the line `ahead` bytes further on in
+   reading order (past the end of this region: `next`). */
+static u64x8 read_region(const char* p, const char* next, int64_t bytes, int64_t ahead) {
     u64x8 a = {0}, b = {0};
-    f32x16 fa = {0}, fb = {0};
+    f32x16 fa = {0}, fb = {0}, c[8] = {{0}};
     const f32x16 q = fa + 0.999f;
     for (int64_t i = 0; i < bytes; i += 128) {
-        if (next) { __builtin_prefetch(next + i); __builtin_prefetch(next + i + 64); }
+        if (ahead > 0) {
+            const int64_t j = i + ahead;
+            const char* at = j < bytes ? p + j : next ? next + (j - bytes) : 0;
+            if (at) { __builtin_prefetch(at); __builtin_prefetch(at + 64); }
+        } else if (next) { __builtin_prefetch(next + i); __builtin_prefetch(next + i + 64); }
         if (fmas == 0) {
             a |= *(const u64x8*)(p + i);
             b |= *(const u64x8*)(p + i + 64);
-        } else {
+        } else if (chains == 2) {
             const f32x16 x = *(const f32x16*)(p + i), y = *(const f32x16*)(p + i + 64);
             for (int w = 0; w < fmas; ++w) { fa = fa * q + x; fb = fb * q + y; }
+        } else {
+            const f32x16 x = *(const f32x16*)(p + i), y = *(const f32x16*)(p + i + 64);
+            for (int w = 0; w < 2 * fmas; w += 8)
+                for (int j = 0; j < 8; ++j) c[j] = c[j] * q + (j % 2 ? y : x);
         }
     }
+    for (int j = 0; j < 8; ++j) fa += c[j];
     return a | b | (u64x8)(fa + fb);
 }
 
@@ -74,9 +87,10 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
             const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
             const char* next_k = nb >= 0 ? k + nb * block_bytes : 0;
             const char* next_v = nb >= 0 ? v + nb * block_bytes : 0;
-            /* prefetch 2: the next run in reading order (this block's V, then the next block's K) */
-            acc |= read_region(k + off, prefetch == 2 ? v + off : next_k, block_bytes);
-            acc |= read_region(v + off, prefetch == 2 ? next_k : next_v, block_bytes);
+            /* prefetch 2: the next run in reading order (this block's V, then the next block's K);
+               3: 4 KiB ahead in reading order, into the next run at the end of this one (the kernel) */
+            acc |= read_region(k + off, prefetch >= 2 ? v + off : next_k, block_bytes, prefetch == 3 ? 4096 : 0);
+            acc |= read_region(v + off, prefetch >= 2 ? next_k : next_v, block_bytes, prefetch == 3 ? 4096 : 0);
         }
         for (int i = 0; i < 8; ++i) out |= acc[i];
     }
@@ -90,7 +104,7 @@ uint64_t read_contiguous(const char* k, const char* v, int64_t bytes, int thread
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t chunk = bytes / n / 128 * 128, lo = t * chunk, hi = t == n - 1 ? bytes : lo + chunk;
-        u64x8 acc = read_region(k + lo, 0, hi - lo) | read_region(v + lo, 0, hi - lo);
+        u64x8 acc = read_region(k + lo, 0, hi - lo, 0) | read_region(v + lo, 0, hi - lo, 0);
         for (int i = 0; i < 8; ++i) out |= acc[i];
     }
     return out;
@@ -114,7 +128,7 @@ def load_reader() -> ctypes.CDLL:
     dll.read_paged.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
-    dll.set_fmas.argtypes = [ctypes.c_int]
+    dll.set_fmas.argtypes = [ctypes.c_int, ctypes.c_int]
     return dll
 
 
@@ -125,13 +139,16 @@ def main(argv=None) -> None:
     ap.add_argument("--fmas", type=int, default=0,
                     help="multiply-adds per 64-byte line in the read loops (default 0: plain reads); with some, "
                          "the reads show whether this machine overlaps that much compute with the walk")
+    ap.add_argument("--independent", action="store_true",
+                    help="spread --fmas over eight independent chains (throughput-bound, as the kernel's tiles are) "
+                         "instead of two dependent ones (latency-bound)")
     args = ap.parse_args(argv)
     if args.seq_len % args.block_size:
         ap.error("--seq-len: must be a multiple of --block-size here (the reader walks whole blocks)")
     p = cpu_decode_problem(args, DTYPES[args.dtype])
     threads = torch.get_num_threads()
     reader = load_reader()
-    reader.set_fmas(args.fmas)
+    reader.set_fmas(args.fmas, 8 if args.independent else 2)
     tables = p.block_tables.contiguous()
     block_bytes = args.num_kv_heads * args.block_size * args.head_dim * p.key_cache.element_size()
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
@@ -147,6 +164,7 @@ def main(argv=None) -> None:
         "read, paged walk": paged_read(0),
         "read, paged walk + prefetch next block": paged_read(1),
         "read, paged walk + prefetch next run": paged_read(2),
+        "read, paged walk + prefetch 4 KiB ahead": paged_read(3),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
@@ -156,7 +174,8 @@ def main(argv=None) -> None:
     print(f"decode: batch {args.batch} x {args.seq_len}, heads {args.num_heads}/{args.num_kv_heads}/{args.head_dim}, "
           f"block {args.block_size}, {args.dtype}, shuffled blocks; K+V {p.kv_bytes / 2**20:.0f} MiB; "
           f"median of {args.iters}, all rows timed in alternation"
-          + (f"; read loops with {args.fmas} multiply-adds per 64-byte line" if args.fmas else ""))
+          + (f"; read loops with {args.fmas} multiply-adds per 64-byte line"
+             + (" in 8 independent chains" if args.independent else " in 2 dependent chains") if args.fmas else ""))
     rows = [dict(what=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
                  kernel_pct=f"{100 * sec / kernel:.0f}%") for name, sec in t.items()]
     print_table(rows, ["what", "ms", "GBps", "kernel_pct"])
