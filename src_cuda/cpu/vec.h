@@ -380,7 +380,7 @@ struct HeadTile {
     pf.upto(pf.rows);
   }
   // acc[g][0, 32 C) (row stride D) += the pairs' products over v's columns [d, d + 32 C). The first
-  // panel also asks for the next block's rows, a pair at a time.
+  // panel also trickles out the prefetch (pf), a row pair at a time.
   template <int C>
   static void accumulate_bf16_panel(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, int64_t D,
                                     float* acc, int64_t d, RowPrefetch& pf) {
