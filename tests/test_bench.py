@@ -39,14 +39,15 @@ def test_decode_cpu_in_cache_mode_has_no_sdpa_rows():
     assert out.startswith("IN-CACHE") and "sdpa contiguous" not in out
 
 
-@pytest.mark.parametrize("fmas", ["0", "2"])
+@pytest.mark.parametrize("fmas", [[], ["--fmas", "2"], ["--fmas", "8", "--independent"]], ids=["plain", "fmas", "independent"])
 def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
-    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--fmas", fmas)
+    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", *fmas)
     for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
-                "read, paged walk + prefetch next run", "read, contiguous (same bytes)",
-                "torch sum, contiguous (same bytes)"):
+                "read, paged walk + prefetch next run", "read, paged walk + prefetch 4 KiB ahead",
+                "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
-    assert ("multiply-adds per 64-byte line" in out) == (fmas != "0")
+    assert ("multiply-adds per 64-byte line" in out) == bool(fmas)
+    assert ("8 independent chains" in out) == ("--independent" in fmas)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")

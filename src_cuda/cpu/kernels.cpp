@@ -90,11 +90,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     const int64_t first = pos % B;
     const int64_t n = std::min(B - first, end - pos);
     const int64_t later = pos - first + B;  // first token of the next block
+    const char* k_run = run(key_cache, block);
+    const char* v_run = run(value_cache, block);
     const char* next_k_run = later < end ? run(key_cache, block_table[later / B]) : nullptr;
-    auto ahead_of = [&](const T* cache, int64_t kv_head) {
-      const bool is_k = cache == key_cache;
-      return RowPrefetch::ahead(run(cache, block), run_bytes, is_k ? run(value_cache, block) : next_k_run,
-                                kv_head * B * row_bytes, kAheadBytes, row_bytes, B);
+    // The prefetch stream for a kv head's rows of `this_run`, continuing into `next_run`.
+    auto ahead_of = [&](const char* this_run, const char* next_run, int64_t kv_head) {
+      return RowPrefetch::ahead(this_run, run_bytes, next_run, kv_head * B * row_bytes, kAheadBytes, row_bytes, B);
     };
     // A block is read as two runs, all its K rows and then all its V rows (each contiguous for
     // a whole block), not as K and V alternating per kv head: the hardware prefetcher streams a
@@ -102,7 +103,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     // float32 8 x 2,048, 2-5% faster for bfloat16 and 1 x 32,768 (bench/RESULTS.md).
     for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
       const T* k = key_cache + layout.row(block, kv_head, first);
-      RowPrefetch ahead_k = g0 == kv_head * group ? ahead_of(key_cache, kv_head) : RowPrefetch{};
+      RowPrefetch ahead_k = g0 == kv_head * group ? ahead_of(k_run, v_run, kv_head) : RowPrefetch{};
       with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -115,7 +116,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       softmax_update(scores + h * B, n, out.max_score[h], exp_sums[h], out.acc + h * D, D);
     for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
       const T* v = value_cache + layout.row(block, kv_head, first);
-      RowPrefetch ahead_v = g0 == kv_head * group ? ahead_of(value_cache, kv_head) : RowPrefetch{};
+      RowPrefetch ahead_v = g0 == kv_head * group ? ahead_of(v_run, next_k_run, kv_head) : RowPrefetch{};
       with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
