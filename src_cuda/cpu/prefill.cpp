@@ -399,8 +399,8 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
     if (pos + B < end) {
       const int64_t next = layout.row(block_table[(pos + B) / B], item.kv_head, 0);
       const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-      next_k = RowPrefetch{reinterpret_cast<const char*>(key_cache + next), row_bytes, B};
-      next_v = RowPrefetch{reinterpret_cast<const char*>(value_cache + next), row_bytes, B};
+      next_k = RowPrefetch::rows_at(reinterpret_cast<const char*>(key_cache + next), row_bytes, B);
+      next_v = RowPrefetch::rows_at(reinterpret_cast<const char*>(value_cache + next), row_bytes, B);
     }
     for (int64_t r0 = live; r0 < rows; r0 += kMaxTile) {
       const int64_t gt = std::min(kMaxTile, rows - r0);
