@@ -158,7 +158,7 @@ struct RowPrefetch {
       return;
     }
     // One line per loop step: issuing them faster (unrolled by four, or one beside each load)
-    // measured 2-7% slower from memory, though faster in cache (bench/RESULTS.md).
+    // measured 2-9% slower from memory, though faster in cache (bench/RESULTS.md).
     prefetch(at, bytes);
     at += bytes;
     left -= bytes;
