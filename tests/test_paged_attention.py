@@ -53,6 +53,17 @@ def test_long_sequences(dtype, block_size, device):
 
 
 @pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sharp", [False, True], ids=["random", "sharp"])
+def test_many_heads_long_sequences(sharp, dtype, device):
+    # 64 query heads and blocks of 32: the CPU kernel's work items (up to 512 tokens) then hold
+    # several chunks of 128 tokens, whose softmax steps must rescale what came before.
+    case = make_paged_case([2000, 1500, 1999, 1024, 700, 513, 1, 0], 64, 8, 64, 32, dtype, device, seed=23,
+                           sharp=sharp)
+    check(case, 64**-0.5, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
 def test_max_seq_len_hint(device):
     case = make_paged_case([100, 7, 64], 8, 4, 64, 16, torch.float32, device, seed=11)
     check(case, 0.125, torch.float32, max_seq_len=100)

@@ -39,6 +39,9 @@ constexpr int64_t kPartitionTokens = 512;  // most tokens per work item along th
 // (64 KiB in float32) does not. Measured 4-11% better than prefetching the next block's rows
 // (bench/RESULTS.md).
 constexpr int64_t kAheadBytes = 4096;
+// Most bytes of scores a work item holds at once (a chunk of blocks, every query head): in L1
+// beside the K/V lines in flight (48 KiB on the machines measured). 16 heads: 512 tokens per chunk; 64 heads: 128.
+constexpr int64_t kChunkScoreBytes = 32 << 10;
 
 // Running softmax state of one work item: per query head of the sequence, the max score seen,
 // the sum of exp(score - max), and the exp-weighted sum of V rows.
@@ -48,8 +51,12 @@ struct Partial {
   float* acc;        // [num_heads, head_dim]
 };
 
-// One sequence, tokens [begin, end), every kv head; per block: Q.K for every kv head, the
-// softmax step for every query head, then P.V for every kv head.
+// One sequence, tokens [begin, end) (begin < end, begin on a block boundary), every kv head,
+// a chunk of blocks at a time: Q.K of the chunk's blocks, one softmax step per query head over
+// all of them (online across chunks), then P.V of its blocks. A chunk's scores stay in cache
+// (kChunkScoreBytes) between the phases. Against a softmax step per block, this spares small
+// blocks (16 bfloat16 tokens: 8 KiB of K/V per kv head) a max, horizontal max and rescale test
+// each: 6-14% faster in cache for bfloat16, float32 within 3% (bench/RESULTS.md).
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
                       const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
@@ -62,9 +69,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool bf16_dot = false;
 #endif
-  scratch.assign(num_heads * B + num_heads * kW, 0.f);
-  float* scores = scratch.data();  // [num_heads, B]
-  auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * B);  // [num_heads], per lane
+  const int64_t chunk_blocks =
+      std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
+  const int64_t C = chunk_blocks * B;  // scores per head in a chunk
+  scratch.assign(num_heads * C + num_heads * kW, 0.f);
+  float* scores = scratch.data();  // [num_heads, C]
+  auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.acc, out.acc + num_heads * D, 0.f);
 
@@ -77,55 +87,65 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   };
   // Blocks are scattered, so the hardware prefetcher cannot follow from one to the next: as
   // rows are computed, the lines kAheadBytes further on in reading order are asked for, a few
-  // at a time (RowPrefetch): the rest of this run, then the next one (a block's V after its K,
-  // the next block's K after its V). The first lines of the first run are asked for at once.
+  // at a time (RowPrefetch): the rest of this run, then the next one. Each block's K (all kv
+  // heads) is one contiguous run, and so is its V (the hardware prefetcher streams long runs
+  // better than a run per kv head, bench/RESULTS.md); the reading order is the K runs of a
+  // chunk's blocks, then their V runs, then the next chunk's. The first lines are asked for at once.
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const int64_t run_bytes = layout.block_elems() * static_cast<int64_t>(sizeof(T));  // a block's K (or V)
-  auto run = [&](const T* cache, int64_t block) {
-    return reinterpret_cast<const char*>(cache + layout.row(block, 0, 0));
-  };
-  if (begin < end) prefetch(run(key_cache, block_table[begin / B]), std::min(run_bytes, kAheadBytes));
-  for (int64_t pos = begin; pos < end;) {
-    const int64_t block = block_table[pos / B];
-    const int64_t first = pos % B;
-    const int64_t n = std::min(B - first, end - pos);
-    const int64_t later = pos - first + B;  // first token of the next block
-    const char* k_run = run(key_cache, block);
-    const char* v_run = run(value_cache, block);
-    const char* next_k_run = later < end ? run(key_cache, block_table[later / B]) : nullptr;
-    // The prefetch stream for a kv head's rows of `this_run`, continuing into `next_run`.
-    auto ahead_of = [&](const char* this_run, const char* next_run, int64_t kv_head) {
-      return RowPrefetch::ahead(this_run, run_bytes, next_run, kv_head * B * row_bytes, kAheadBytes, row_bytes, B);
+  const int64_t num_blocks = (end - begin + B - 1) / B;
+  const int32_t* blocks = block_table + begin / B;
+  auto run = [&](const T* cache, int64_t i) { return cache + layout.row(blocks[i], 0, 0); };
+  prefetch(reinterpret_cast<const char*>(run(key_cache, 0)), std::min(run_bytes, kAheadBytes));
+  for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk_blocks) {
+    const int64_t c1 = std::min(c0 + chunk_blocks, num_blocks);
+    const int64_t n_chunk = std::min(end, begin + c1 * B) - (begin + c0 * B);  // tokens in this chunk
+    // Calls f(rows, n, next_run, offset) for each block of the chunk: `rows` its K (or V), n of its
+    // tokens in use, the run after it in reading order, its first token's index in the chunk.
+    auto for_each_block = [&](const T* cache, auto&& f) {
+      for (int64_t i = c0; i < c1; ++i) {
+        const T* next = i + 1 < c1                    ? run(cache, i + 1)
+                        : cache == key_cache           ? run(value_cache, c0)
+                        : c1 < num_blocks              ? run(key_cache, c1)
+                                                       : nullptr;
+        f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B);
+      }
     };
-    // A block is read as two runs, all its K rows and then all its V rows (each contiguous for
-    // a whole block), not as K and V alternating per kv head: the hardware prefetcher streams a
-    // long run better than short ones. Measured against the alternating walk: the same for
-    // float32 8 x 2,048, 2-5% faster for bfloat16 and 1 x 32,768 (bench/RESULTS.md).
-    for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
-      const T* k = key_cache + layout.row(block, kv_head, first);
-      RowPrefetch ahead_k = g0 == kv_head * group ? ahead_of(k_run, v_run, kv_head) : RowPrefetch{};
-      with_tile(gt, [&](auto tile) {
+    // The prefetch stream for a kv head's rows of `rows`, continuing into `next_run`; only the
+    // first tile of a kv head drives it (the others read the same rows).
+    auto ahead_of = [&](const T* rows, const char* next_run, int64_t kv_head, int64_t g0) {
+      if (g0 != kv_head * group) return RowPrefetch{};
+      return RowPrefetch::ahead(reinterpret_cast<const char*>(rows), run_bytes, next_run, kv_head * B * row_bytes,
+                                kAheadBytes, row_bytes, B);
+    };
+    for_each_block(key_cache, [&](const T* k_rows, int64_t n, const char* next_run, int64_t t0) {
+      for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
+        const T* k = k_rows + kv_head * B * D;
+        RowPrefetch pf = ahead_of(k_rows, next_run, kv_head, g0);
+        with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores + g0 * B, B, ahead_k);
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores + g0 * C + t0, C, pf);
 #endif
-        tile.scores(q + g0 * D, k, n, D, scores + g0 * B, B, ahead_k);
+          tile.scores(q + g0 * D, k, n, D, scores + g0 * C + t0, C, pf);
+        });
       });
     });
     for (int64_t h = 0; h < num_heads; ++h)
-      softmax_update(scores + h * B, n, out.max_score[h], exp_sums[h], out.acc + h * D, D);
-    for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
-      const T* v = value_cache + layout.row(block, kv_head, first);
-      RowPrefetch ahead_v = g0 == kv_head * group ? ahead_of(v_run, next_k_run, kv_head) : RowPrefetch{};
-      with_tile(gt, [&](auto tile) {
+      softmax_update(scores + h * C, n_chunk, out.max_score[h], exp_sums[h], out.acc + h * D, D);
+    for_each_block(value_cache, [&](const T* v_rows, int64_t n, const char* next_run, int64_t t0) {
+      for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
+        const T* v = v_rows + kv_head * B * D;
+        RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
+        with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (bf16_dot) return tile.accumulate_bf16(scores + g0 * B, B, v, n, D, out.acc + g0 * D, ahead_v);
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (bf16_dot) return tile.accumulate_bf16(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
 #endif
-        tile.accumulate(scores + g0 * B, B, v, n, D, out.acc + g0 * D, ahead_v);
+          tile.accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
+        });
       });
     });
-    pos += n;
   }
   for (int64_t h = 0; h < num_heads; ++h) out.exp_sum[h] = hsum(exp_sums[h]);
   if (bf16_dot)
