@@ -1,7 +1,7 @@
 // CPU kernels. Decode attention is memory-bound, so the plan is to read every K/V byte once:
 // work items are (sequence, partition of the context) and walk each block front to back over
 // its kv heads, all query heads of a GQA group are handled together, and a softmax that is
-// online across blocks keeps one pass over K/V.
+// online across chunks of blocks keeps one pass over K/V.
 // Partitions let a single long sequence use every core; their partial results are merged
 // afterwards with the usual (max, sum) rescaling.
 // Compiled once per instruction set (cpu/isa.h): everything here lives in
@@ -56,7 +56,7 @@ struct Partial {
 // all of them (online across chunks), then P.V of its blocks. A chunk's scores stay in cache
 // (kChunkScoreBytes) between the phases. Against a softmax step per block, this spares small
 // blocks (16 bfloat16 tokens: 8 KiB of K/V per kv head) a max, horizontal max and rescale test
-// each: 6-14% faster in cache for bfloat16, float32 within 3% (bench/RESULTS.md).
+// each: 6-14% faster in cache for bfloat16, float32 within 5%; from memory the same (bench/RESULTS.md).
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
                       const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
