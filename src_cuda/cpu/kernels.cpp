@@ -39,8 +39,8 @@ constexpr int64_t kPartitionTokens = 512;  // most tokens per work item along th
 // (64 KiB in float32) does not. Measured 4-11% better than prefetching the next block's rows
 // (bench/RESULTS.md).
 constexpr int64_t kAheadBytes = 4096;
-// Most bytes of scores a work item holds at once (a chunk of blocks, every query head): in L1
-// beside the K/V lines in flight (48 KiB on the machines measured). 16 heads: 512 tokens per chunk; 64 heads: 128.
+// Most bytes of scores a work item holds at once (a chunk of blocks, every query head), small
+// enough to stay in L1/L2 between Q.K and P.V: 512 tokens per chunk at 16 heads, 128 at 64.
 constexpr int64_t kChunkScoreBytes = 32 << 10;
 
 // Running softmax state of one work item: per query head of the sequence, the max score seen,
@@ -56,7 +56,8 @@ struct Partial {
 // all of them (online across chunks), then P.V of its blocks. A chunk's scores stay in cache
 // (kChunkScoreBytes) between the phases. Against a softmax step per block, this spares small
 // blocks (16 bfloat16 tokens: 8 KiB of K/V per kv head) a max, horizontal max and rescale test
-// each: 6-14% faster in cache for bfloat16, float32 within 5%; from memory the same (bench/RESULTS.md).
+// each: 6-14% faster in cache for bfloat16, float32 within 5%; from memory the same
+// (bench/RESULTS.md).
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
                       const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
@@ -104,10 +105,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     // tokens in use, the run after it in reading order, its first token's index in the chunk.
     auto for_each_block = [&](const T* cache, auto&& f) {
       for (int64_t i = c0; i < c1; ++i) {
-        const T* next = i + 1 < c1                    ? run(cache, i + 1)
-                        : cache == key_cache           ? run(value_cache, c0)
-                        : c1 < num_blocks              ? run(key_cache, c1)
-                                                       : nullptr;
+        const T* next = i + 1 < c1 ? run(cache, i + 1)
+                        : cache == key_cache ? run(value_cache, c0)
+                        : c1 < num_blocks ? run(key_cache, c1)
+                        : nullptr;
         f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B);
       }
     };
