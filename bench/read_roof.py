@@ -11,6 +11,7 @@ kernel's cost can be split into "the access pattern" and "the kernel itself".
     python bench/read_roof.py --dtype bfloat16 --threads 1
     python bench/read_roof.py --fmas 4    # the read loops with some compute per line
     python bench/read_roof.py --fmas 8 --independent   # as much compute as the kernel, throughput-bound
+    python bench/read_roof.py --also-block-sizes 64    # the kernel and its walk with blocks of 64 too
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, machine_name, print_table  # noqa: E402
+from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, machine_name,  # noqa: E402
+                    make_decode_problem, print_table)
 
 READER = r"""
 #include <stdint.h>
@@ -71,16 +73,17 @@ static u64x8 read_region(const char* p, const char* next, int64_t bytes, int64_t
     return a | b | (u64x8)(fa + fb);
 }
 
-/* The paged walk, in the kernel's order: sequences x blocks in table order; per block, its K
-   rows (every kv head: one run), then its V rows (one run). With `prefetch`, the next block's
-   rows are asked for alongside, as the kernel does. */
+/* The paged walk, in the kernel's order: work items of `per_item` blocks (the kernel's 512
+   tokens), blocks in table order; per block, its K rows (every kv head: one run), then its V rows
+   (one run). With `prefetch`, the next block's rows are asked for alongside, as the kernel does. */
 uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
-                    int64_t blocks_per_seq, int64_t block_bytes, int prefetch, int threads) {
+                    int64_t blocks_per_seq, int64_t block_bytes, int prefetch, int threads, int64_t per_item) {
     uint64_t out = 0;
+    const int64_t parts = (blocks_per_seq + per_item - 1) / per_item;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
-    for (int64_t item = 0; item < num_seqs * ((blocks_per_seq + 31) / 32); ++item) {
-        const int64_t parts = (blocks_per_seq + 31) / 32, s = item / parts, j0 = item % parts * 32;
-        const int64_t j1 = j0 + 32 < blocks_per_seq ? j0 + 32 : blocks_per_seq;
+    for (int64_t item = 0; item < num_seqs * parts; ++item) {
+        const int64_t s = item / parts, j0 = item % parts * per_item;
+        const int64_t j1 = j0 + per_item < blocks_per_seq ? j0 + per_item : blocks_per_seq;
         const int32_t* table = tables + s * blocks_per_seq;
         u64x8 acc = {0};
         for (int64_t j = j0; j < j1; ++j) {
@@ -124,7 +127,7 @@ def load_reader() -> ctypes.CDLL:
                        check=True)
     dll = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int, i64]
     dll.read_paged.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
@@ -142,32 +145,50 @@ def main(argv=None) -> None:
     ap.add_argument("--independent", action="store_true",
                     help="spread --fmas over eight independent chains (throughput-bound, as the kernel's tiles are) "
                          "instead of two dependent ones (latency-bound)")
+    ap.add_argument("--also-block-sizes", default="",
+                    help="comma separated: also time the kernel and the 4 KiB-ahead walk on pools with these block "
+                         "sizes (same shape, shuffled), in the same alternation: what the block size costs")
     args = ap.parse_args(argv)
-    if args.seq_len % args.block_size:
-        ap.error("--seq-len: must be a multiple of --block-size here (the reader walks whole blocks)")
+    other_sizes = [int(b) for b in args.also_block_sizes.split(",") if b]
+    for bs in [args.block_size, *other_sizes]:
+        if args.seq_len % bs:
+            ap.error(f"--seq-len: must be a multiple of every block size here, {bs} included (the reader walks whole blocks)")
     p = cpu_decode_problem(args, DTYPES[args.dtype])
     threads = torch.get_num_threads()
     reader = load_reader()
     reader.set_fmas(args.fmas, 8 if args.independent else 2)
-    tables = p.block_tables.contiguous()
-    block_bytes = args.num_kv_heads * args.block_size * args.head_dim * p.key_cache.element_size()
-    kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
 
-    def paged_read(prefetch: int):
+    def paged_read(problem, prefetch: int):
+        tables = problem.block_tables.contiguous()
+        num_blocks, heads, block_size, head_dim = problem.key_cache.shape
+        block_bytes = heads * block_size * head_dim * problem.key_cache.element_size()
+        kc, vc = problem.key_cache.data_ptr(), problem.value_cache.data_ptr()
+        per_item = max(1, 512 // block_size)
         return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes,
-                                         prefetch, threads)
+                                         prefetch, threads, per_item)
+
+    def decode(problem):
+        return lambda: minipaged_ops.paged_attention_decode(problem.query, problem.key_cache, problem.value_cache,
+                                                            problem.block_tables, problem.seq_lens, problem.scale)
 
     flat = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
+    kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
     fns = {
-        "minipaged paged_attention_decode": lambda: minipaged_ops.paged_attention_decode(
-            p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale),
-        "read, paged walk": paged_read(0),
-        "read, paged walk + prefetch next block": paged_read(1),
-        "read, paged walk + prefetch next run": paged_read(2),
-        "read, paged walk + prefetch 4 KiB ahead": paged_read(3),
+        "minipaged paged_attention_decode": decode(p),
+        "read, paged walk": paged_read(p, 0),
+        "read, paged walk + prefetch next block": paged_read(p, 1),
+        "read, paged walk + prefetch next run": paged_read(p, 2),
+        "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
+    others = []  # kept alive while timed
+    for bs in other_sizes:
+        other = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim, bs,
+                                    DTYPES[args.dtype])
+        others.append(other)
+        fns[f"minipaged paged_attention_decode, block {bs}"] = decode(other)
+        fns[f"read, paged walk + prefetch 4 KiB ahead, block {bs}"] = paged_read(other, 3)
     t = interleaved_medians(fns, args.iters)
     kernel = t["minipaged paged_attention_decode"]
     print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")

@@ -59,6 +59,15 @@ def test_huge_pages_prints_both_pools_and_the_probe():
             assert re.search(rf"^{re.escape(what)}\s+{pages}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
 
 
+def test_read_roof_times_other_block_sizes_alongside():
+    out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--also-block-sizes", "32")
+    for row in ("minipaged paged_attention_decode, block 32", "read, paged walk + prefetch 4 KiB ahead, block 32"):
+        assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    done = subprocess.run([sys.executable, "bench/read_roof.py", "--seq-len", "64", "--also-block-sizes", "48"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "48" in done.stderr
+
+
 def test_read_roof_rejects_a_partial_last_block():
     done = subprocess.run([sys.executable, "bench/read_roof.py", "--seq-len", "70"], cwd=ROOT, capture_output=True,
                           text=True)

@@ -43,6 +43,14 @@ constexpr int64_t kAheadBytes = 4096;
 // enough to stay in L1/L2 between Q.K and P.V: 512 tokens per chunk at 16 heads, 128 at 64.
 constexpr int64_t kChunkScoreBytes = 32 << 10;
 
+// One line of every 4 KiB page of the next run, into L2 (prefetcht2), as a block's run begins. The
+// row stream asks for lines only kAheadBytes ahead; asking for each page of the next scattered run
+// a whole run earlier made decode 1.07x (float32) and 1.09x (bfloat16) faster from memory, in 2 MiB
+// pages too, so it is not only the TLB (bench/RESULTS.md).
+inline void touch_pages(const char* run, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 4096) __builtin_prefetch(run + offset, 0, 1);
+}
+
 // Running softmax state of one work item: per query head of the sequence, the max score seen,
 // the sum of exp(score - max), and the exp-weighted sum of V rows.
 struct Partial {
@@ -109,6 +117,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                         : cache == key_cache ? run(value_cache, c0)
                         : c1 < num_blocks ? run(key_cache, c1)
                         : nullptr;
+        if (next != nullptr) touch_pages(reinterpret_cast<const char*>(next), run_bytes);
         f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B);
       }
     };
