@@ -31,6 +31,8 @@ import minipaged_ops  # noqa: E402
 from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, machine_name,  # noqa: E402
                     make_decode_problem, print_table)
 
+PARTITION_TOKENS = 512  # the kernel's work items: kPartitionTokens in src_cuda/cpu/kernels.cpp
+
 READER = r"""
 #include <stdint.h>
 #include <omp.h>
@@ -160,10 +162,10 @@ def main(argv=None) -> None:
 
     def paged_read(problem, prefetch: int):
         tables = problem.block_tables.contiguous()
-        num_blocks, heads, block_size, head_dim = problem.key_cache.shape
+        _, heads, block_size, head_dim = problem.key_cache.shape
         block_bytes = heads * block_size * head_dim * problem.key_cache.element_size()
         kc, vc = problem.key_cache.data_ptr(), problem.value_cache.data_ptr()
-        per_item = max(1, 512 // block_size)
+        per_item = max(1, PARTITION_TOKENS // block_size)
         return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes,
                                          prefetch, threads, per_item)
 

@@ -73,6 +73,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
                       std::vector<float>& scratch) {
   const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(begin < end && begin % B == 0);
 #if defined(__AVX512BF16__)
   const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256;
 #else
@@ -105,6 +106,13 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const int64_t num_blocks = (end - begin + B - 1) / B;
   const int32_t* blocks = block_table + begin / B;
   auto run = [&](const T* cache, int64_t i) { return cache + layout.row(blocks[i], 0, 0); };
+  // The prefetch stream for a kv head's rows of `rows`, continuing into `next_run`; only the
+  // first tile of a kv head drives it (the others read the same rows).
+  auto ahead_of = [&](const T* rows, const char* next_run, int64_t kv_head, int64_t g0) {
+    if (g0 != kv_head * group) return RowPrefetch{};
+    return RowPrefetch::ahead(reinterpret_cast<const char*>(rows), run_bytes, next_run, kv_head * B * row_bytes,
+                              kAheadBytes, row_bytes, B);
+  };
   prefetch(reinterpret_cast<const char*>(run(key_cache, 0)), std::min(run_bytes, kAheadBytes));
   for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk_blocks) {
     const int64_t c1 = std::min(c0 + chunk_blocks, num_blocks);
@@ -120,13 +128,6 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         if (next != nullptr) touch_pages(reinterpret_cast<const char*>(next), run_bytes);
         f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B);
       }
-    };
-    // The prefetch stream for a kv head's rows of `rows`, continuing into `next_run`; only the
-    // first tile of a kv head drives it (the others read the same rows).
-    auto ahead_of = [&](const T* rows, const char* next_run, int64_t kv_head, int64_t g0) {
-      if (g0 != kv_head * group) return RowPrefetch{};
-      return RowPrefetch::ahead(reinterpret_cast<const char*>(rows), run_bytes, next_run, kv_head * B * row_bytes,
-                                kAheadBytes, row_bytes, B);
     };
     for_each_block(key_cache, [&](const T* k_rows, int64_t n, const char* next_run, int64_t t0) {
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
