@@ -4,8 +4,11 @@ over the same bytes, in the same order, with no arithmetic, timed side by side.
 A large `sum` over contiguous memory (decode_cpu.py's roof) is the machine's best case. Paged
 decode cannot read that way: it walks each sequence's blocks in table order, and inside a block
 all its K rows (every kv head), then all its V rows. This compiles a small C reader (cc + OpenMP, at first
-use) that does exactly that walk, with and without a software prefetch of the next block, so the
-kernel's cost can be split into "the access pattern" and "the kernel itself".
+use) that does exactly that walk, with and without a software prefetch of the next block, and the
+kernel's own walk (its reading order and all its prefetches, no arithmetic), so the kernel's cost can
+be split into "the access pattern" and "the kernel itself". The kernel also runs on tables whose
+every entry names one of 4 blocks (its arithmetic with no memory traffic), and the last line says
+how much of that arithmetic the kernel hides under its reads.
 
     python bench/read_roof.py
     python bench/read_roof.py --dtype bfloat16 --threads 1
@@ -31,7 +34,9 @@ import minipaged_ops  # noqa: E402
 from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved_medians, machine_name,  # noqa: E402
                     make_decode_problem, print_table)
 
+IN_CACHE = "minipaged, every table entry one of 4 blocks (in cache)"
 PARTITION_TOKENS = 512  # the kernel's work items: kPartitionTokens in src_cuda/cpu/kernels.cpp
+CHUNK_SCORE_BYTES = 32 << 10  # the kernel's chunks of blocks: kChunkScoreBytes there
 
 READER = r"""
 #include <stdint.h>
@@ -102,6 +107,38 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
     return out;
 }
 
+/* The kernel's own walk: per work item, chunks of `per_chunk` blocks, each chunk's K runs then its
+   V runs; lines 4 KiB ahead in reading order, and as each run begins one line of every 4 KiB page
+   of the next run into L2 (touch_pages in src_cuda/cpu/kernels.cpp). */
+static const char* kernel_run(const char* k, const char* v, const int32_t* table, int64_t block_bytes,
+                              int64_t j0, int64_t j1, int64_t per_chunk, int64_t r) {
+    /* run r of the work item [j0, j1) in reading order */
+    const int64_t c0 = j0 + r / (2 * per_chunk) * per_chunk, i = r - 2 * (c0 - j0);
+    const int64_t n = j1 - c0 < per_chunk ? j1 - c0 : per_chunk;
+    return (i < n ? k : v) + table[c0 + i % n] * block_bytes;
+}
+
+uint64_t read_kernel_walk(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
+                          int64_t blocks_per_seq, int64_t block_bytes, int threads, int64_t per_item,
+                          int64_t per_chunk) {
+    uint64_t out = 0;
+    const int64_t parts = (blocks_per_seq + per_item - 1) / per_item;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
+    for (int64_t item = 0; item < num_seqs * parts; ++item) {
+        const int64_t s = item / parts, j0 = item % parts * per_item;
+        const int64_t j1 = j0 + per_item < blocks_per_seq ? j0 + per_item : blocks_per_seq;
+        const int32_t* table = tables + s * blocks_per_seq;
+        u64x8 acc = {0};
+        for (int64_t r = 0; r < 2 * (j1 - j0); ++r) {
+            const char* next = r + 1 < 2 * (j1 - j0) ? kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r + 1) : 0;
+            if (next) for (int64_t o = 0; o < block_bytes; o += 4096) __builtin_prefetch(next + o, 0, 1);
+            acc |= read_region(kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r), next, block_bytes, 4096);
+        }
+        for (int i = 0; i < 8; ++i) out |= acc[i];
+    }
+    return out;
+}
+
 /* The same bytes read front to back, K then V, split evenly across threads. */
 uint64_t read_contiguous(const char* k, const char* v, int64_t bytes, int threads) {
     uint64_t out = 0;
@@ -131,6 +168,8 @@ def load_reader() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int, i64]
     dll.read_paged.restype = ctypes.c_uint64
+    dll.read_kernel_walk.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, i64, i64]
+    dll.read_kernel_walk.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
     dll.set_fmas.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -160,18 +199,30 @@ def main(argv=None) -> None:
     reader = load_reader()
     reader.set_fmas(args.fmas, 8 if args.independent else 2)
 
-    def paged_read(problem, prefetch: int):
+    others = []  # tensors the timed closures point into, kept alive while timed
+
+    def walk_args(problem):
+        """The pool pointers, tables, a block's K (or V) bytes and the kernel's work item in blocks."""
         tables = problem.block_tables.contiguous()
+        others.append(tables)
         _, heads, block_size, head_dim = problem.key_cache.shape
         block_bytes = heads * block_size * head_dim * problem.key_cache.element_size()
-        kc, vc = problem.key_cache.data_ptr(), problem.value_cache.data_ptr()
-        per_item = max(1, PARTITION_TOKENS // block_size)
-        return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes,
-                                         prefetch, threads, per_item)
+        return (problem.key_cache.data_ptr(), problem.value_cache.data_ptr(), tables.data_ptr(), args.batch,
+                tables.size(1), block_bytes), block_size
 
-    def decode(problem):
+    def paged_read(problem, prefetch: int):
+        walk, block_size = walk_args(problem)
+        return lambda: reader.read_paged(*walk, prefetch, threads, max(1, PARTITION_TOKENS // block_size))
+
+    def kernel_walk(problem):
+        walk, block_size = walk_args(problem)
+        per_chunk = max(1, CHUNK_SCORE_BYTES // (args.num_heads * block_size * 4))
+        return lambda: reader.read_kernel_walk(*walk, threads, max(1, PARTITION_TOKENS // block_size), per_chunk)
+
+    def decode(problem, tables=None):
+        tables = problem.block_tables if tables is None else tables
         return lambda: minipaged_ops.paged_attention_decode(problem.query, problem.key_cache, problem.value_cache,
-                                                            problem.block_tables, problem.seq_lens, problem.scale)
+                                                            tables, problem.seq_lens, problem.scale)
 
     flat = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
@@ -181,16 +232,17 @@ def main(argv=None) -> None:
         "read, paged walk + prefetch next block": paged_read(p, 1),
         "read, paged walk + prefetch next run": paged_read(p, 2),
         "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
+        "read, the kernel's walk (its order and prefetches)": kernel_walk(p),
+        IN_CACHE: decode(p, p.block_tables % min(4, p.key_cache.size(0))),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
-    others = []  # kept alive while timed
     for bs in other_sizes:
         other = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim, bs,
                                     DTYPES[args.dtype])
         others.append(other)
         fns[f"minipaged paged_attention_decode, block {bs}"] = decode(other)
-        fns[f"read, paged walk + prefetch 4 KiB ahead, block {bs}"] = paged_read(other, 3)
+        fns[f"read, the kernel's walk, block {bs}"] = kernel_walk(other)
     t = interleaved_medians(fns, args.iters)
     kernel = t["minipaged paged_attention_decode"]
     print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")
@@ -203,6 +255,13 @@ def main(argv=None) -> None:
                  kernel_pct=f"{100 * sec / kernel:.0f}%") for name, sec in t.items()]
     print_table(rows, ["what", "ms", "GBps", "kernel_pct"])
     print("kernel_pct: the kernel's bytes/s as a share of that row's (100% = as fast as that read)")
+    # If the kernel's arithmetic ran entirely under its reads, it would take as long as its walk;
+    # if not at all, as long as the walk plus its in-cache time (the same work with no memory
+    # traffic).
+    walk, compute = t["read, the kernel's walk (its order and prefetches)"], t[IN_CACHE]
+    print(f"overlap: the kernel takes {kernel * 1e3:.3f} ms; its walk {walk * 1e3:.3f} ms, its walk + in-cache time "
+          f"{(walk + compute) * 1e3:.3f} ms: {100 * min(max((walk + compute - kernel) / compute, 0), 1):.0f}% of its "
+          "arithmetic hidden under its reads")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -44,10 +45,33 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
     out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", *fmas)
     for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
                 "read, paged walk + prefetch next run", "read, paged walk + prefetch 4 KiB ahead",
-                "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
+                "read, the kernel's walk (its order and prefetches)",
+                "minipaged, every table entry one of 4 blocks (in cache)", "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    assert re.search(r"^overlap: .* \d+% of its arithmetic hidden under its reads$", out, re.M), out
     assert ("multiply-adds per 64-byte line" in out) == bool(fmas)
     assert ("8 independent chains" in out) == ("--independent" in fmas)
+
+
+def test_read_roof_kernel_walk_reads_every_run_of_the_tables_to_its_end():
+    # Each run (a block's K or V) ends in its own bit; the walk's OR of everything it read must
+    # hold exactly the bits of the blocks the tables name. Work items of 5 blocks in chunks of 2
+    # leave a short last chunk and a short last item.
+    import read_roof
+
+    reader = read_roof.load_reader()
+    reader.set_fmas(0, 2)
+    num_blocks, block_words, num_seqs, blocks_per_seq = 32, 64, 2, 7  # 512-byte runs
+    k, v = (torch.zeros(num_blocks, block_words, dtype=torch.int64) for _ in range(2))
+    k[:, -1] = v[:, -1] = 1 << torch.arange(num_blocks)  # K and V are read one at a time below
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[: num_seqs * blocks_per_seq]
+    tables = tables.to(torch.int32).reshape(num_seqs, blocks_per_seq)
+    expected = sum(1 << int(b) for b in tables.flatten())
+    zeros = torch.zeros_like(k)
+    for kc, vc in ((k, zeros), (zeros, v)):
+        got = reader.read_kernel_walk(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), num_seqs, blocks_per_seq,
+                                      block_words * 8, 2, 5, 2)
+        assert got == expected, (hex(got), hex(expected))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
@@ -61,7 +85,7 @@ def test_huge_pages_prints_both_pools_and_the_probe():
 
 def test_read_roof_times_other_block_sizes_alongside():
     out = run_bench("bench/read_roof.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--also-block-sizes", "32")
-    for row in ("minipaged paged_attention_decode, block 32", "read, paged walk + prefetch 4 KiB ahead, block 32"):
+    for row in ("minipaged paged_attention_decode, block 32", "read, the kernel's walk, block 32"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
     done = subprocess.run([sys.executable, "bench/read_roof.py", "--seq-len", "64", "--also-block-sizes", "48"],
                           cwd=ROOT, capture_output=True, text=True)
