@@ -80,47 +80,25 @@ static u64x8 read_region(const char* p, const char* next, int64_t bytes, int64_t
     return a | b | (u64x8)(fa + fb);
 }
 
-/* The paged walk, in the kernel's order: work items of `per_item` blocks (the kernel's 512
-   tokens), blocks in table order; per block, its K rows (every kv head: one run), then its V rows
-   (one run). With `prefetch`, the next block's rows are asked for alongside, as the kernel does. */
-uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
-                    int64_t blocks_per_seq, int64_t block_bytes, int prefetch, int threads, int64_t per_item) {
-    uint64_t out = 0;
-    const int64_t parts = (blocks_per_seq + per_item - 1) / per_item;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
-    for (int64_t item = 0; item < num_seqs * parts; ++item) {
-        const int64_t s = item / parts, j0 = item % parts * per_item;
-        const int64_t j1 = j0 + per_item < blocks_per_seq ? j0 + per_item : blocks_per_seq;
-        const int32_t* table = tables + s * blocks_per_seq;
-        u64x8 acc = {0};
-        for (int64_t j = j0; j < j1; ++j) {
-            const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
-            const char* next_k = nb >= 0 ? k + nb * block_bytes : 0;
-            const char* next_v = nb >= 0 ? v + nb * block_bytes : 0;
-            /* prefetch 2: the next run in reading order (this block's V, then the next block's K);
-               3: 4 KiB ahead in reading order, into the next run at the end of this one (the kernel) */
-            acc |= read_region(k + off, prefetch >= 2 ? v + off : next_k, block_bytes, prefetch == 3 ? 4096 : 0);
-            acc |= read_region(v + off, prefetch >= 2 ? next_k : next_v, block_bytes, prefetch == 3 ? 4096 : 0);
-        }
-        for (int i = 0; i < 8; ++i) out |= acc[i];
-    }
-    return out;
-}
-
-/* The kernel's own walk: per work item, chunks of `per_chunk` blocks, each chunk's K runs then its
-   V runs; lines 4 KiB ahead in reading order, and as each run begins one line of every 4 KiB page
-   of the next run into L2 (touch_pages in src_cuda/cpu/kernels.cpp). */
+/* Run r of the work item [j0, j1) in the kernel's reading order: chunks of `per_chunk` blocks,
+   each chunk's K runs, then its V runs. */
 static const char* kernel_run(const char* k, const char* v, const int32_t* table, int64_t block_bytes,
                               int64_t j0, int64_t j1, int64_t per_chunk, int64_t r) {
-    /* run r of the work item [j0, j1) in reading order */
     const int64_t c0 = j0 + r / (2 * per_chunk) * per_chunk, i = r - 2 * (c0 - j0);
     const int64_t n = j1 - c0 < per_chunk ? j1 - c0 : per_chunk;
     return (i < n ? k : v) + table[c0 + i % n] * block_bytes;
 }
 
-uint64_t read_kernel_walk(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
-                          int64_t blocks_per_seq, int64_t block_bytes, int threads, int64_t per_item,
-                          int64_t per_chunk) {
+/* The paged walk: work items of `per_item` blocks (the kernel's 512 tokens), blocks in table
+   order. prefetch 0-3: per block, its K rows (every kv head: one run), then its V rows (one run);
+   1: the next block's rows asked for alongside; 2: the next run in reading order (this block's V,
+   then the next block's K); 3: 4 KiB ahead in reading order, into the next run at the end of this
+   one. prefetch 4, the kernel's own walk: its reading order (kernel_run), lines 4 KiB ahead, and
+   as each run begins one line of every 4 KiB page of the next run into L2 (touch_pages in
+   src_cuda/cpu/kernels.cpp). */
+uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t num_seqs,
+                    int64_t blocks_per_seq, int64_t block_bytes, int prefetch, int threads, int64_t per_item,
+                    int64_t per_chunk) {
     uint64_t out = 0;
     const int64_t parts = (blocks_per_seq + per_item - 1) / per_item;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:out)
@@ -129,10 +107,22 @@ uint64_t read_kernel_walk(const char* k, const char* v, const int32_t* tables, i
         const int64_t j1 = j0 + per_item < blocks_per_seq ? j0 + per_item : blocks_per_seq;
         const int32_t* table = tables + s * blocks_per_seq;
         u64x8 acc = {0};
-        for (int64_t r = 0; r < 2 * (j1 - j0); ++r) {
-            const char* next = r + 1 < 2 * (j1 - j0) ? kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r + 1) : 0;
-            if (next) for (int64_t o = 0; o < block_bytes; o += 4096) __builtin_prefetch(next + o, 0, 1);
-            acc |= read_region(kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r), next, block_bytes, 4096);
+        if (prefetch == 4) {
+            const int64_t runs = 2 * (j1 - j0);
+            for (int64_t r = 0; r < runs; ++r) {
+                const char* next = r + 1 < runs ? kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r + 1) : 0;
+                if (next) for (int64_t o = 0; o < block_bytes; o += 4096) __builtin_prefetch(next + o, 0, 1);
+                acc |= read_region(kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r), next, block_bytes, 4096);
+            }
+        } else {
+            for (int64_t j = j0; j < j1; ++j) {
+                const int64_t off = table[j] * block_bytes, nb = prefetch && j + 1 < j1 ? table[j + 1] : -1;
+                const char* next_k = nb >= 0 ? k + nb * block_bytes : 0;
+                const char* next_v = nb >= 0 ? v + nb * block_bytes : 0;
+                const int64_t ahead = prefetch == 3 ? 4096 : 0;
+                acc |= read_region(k + off, prefetch >= 2 ? v + off : next_k, block_bytes, ahead);
+                acc |= read_region(v + off, prefetch >= 2 ? next_k : next_v, block_bytes, ahead);
+            }
         }
         for (int i = 0; i < 8; ++i) out |= acc[i];
     }
@@ -166,10 +156,8 @@ def load_reader() -> ctypes.CDLL:
                        check=True)
     dll = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int, i64]
+    dll.read_paged.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int, i64, i64]
     dll.read_paged.restype = ctypes.c_uint64
-    dll.read_kernel_walk.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, i64, i64]
-    dll.read_kernel_walk.restype = ctypes.c_uint64
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
     dll.set_fmas.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -199,25 +187,16 @@ def main(argv=None) -> None:
     reader = load_reader()
     reader.set_fmas(args.fmas, 8 if args.independent else 2)
 
-    others = []  # tensors the timed closures point into, kept alive while timed
-
-    def walk_args(problem):
-        """The pool pointers, tables, a block's K (or V) bytes and the kernel's work item in blocks."""
+    def paged_read(problem, prefetch: int):
+        """The C walk over `problem`'s pool; prefetch 4 is the kernel's own walk (see READER)."""
         tables = problem.block_tables.contiguous()
-        others.append(tables)
         _, heads, block_size, head_dim = problem.key_cache.shape
         block_bytes = heads * block_size * head_dim * problem.key_cache.element_size()
-        return (problem.key_cache.data_ptr(), problem.value_cache.data_ptr(), tables.data_ptr(), args.batch,
-                tables.size(1), block_bytes), block_size
-
-    def paged_read(problem, prefetch: int):
-        walk, block_size = walk_args(problem)
-        return lambda: reader.read_paged(*walk, prefetch, threads, max(1, PARTITION_TOKENS // block_size))
-
-    def kernel_walk(problem):
-        walk, block_size = walk_args(problem)
+        per_item = max(1, PARTITION_TOKENS // block_size)
         per_chunk = max(1, CHUNK_SCORE_BYTES // (args.num_heads * block_size * 4))
-        return lambda: reader.read_kernel_walk(*walk, threads, max(1, PARTITION_TOKENS // block_size), per_chunk)
+        kc, vc = problem.key_cache.data_ptr(), problem.value_cache.data_ptr()
+        return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes, prefetch,
+                                         threads, per_item, per_chunk)
 
     def decode(problem, tables=None):
         tables = problem.block_tables if tables is None else tables
@@ -232,17 +211,18 @@ def main(argv=None) -> None:
         "read, paged walk + prefetch next block": paged_read(p, 1),
         "read, paged walk + prefetch next run": paged_read(p, 2),
         "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
-        "read, the kernel's walk (its order and prefetches)": kernel_walk(p),
+        "read, the kernel's walk (its order and prefetches)": paged_read(p, 4),
         IN_CACHE: decode(p, p.block_tables % min(4, p.key_cache.size(0))),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
+    others = []  # kept alive while timed
     for bs in other_sizes:
         other = make_decode_problem(args.batch, args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim, bs,
                                     DTYPES[args.dtype])
         others.append(other)
         fns[f"minipaged paged_attention_decode, block {bs}"] = decode(other)
-        fns[f"read, the kernel's walk, block {bs}"] = kernel_walk(other)
+        fns[f"read, the kernel's walk, block {bs}"] = paged_read(other, 4)
     t = interleaved_medians(fns, args.iters)
     kernel = t["minipaged paged_attention_decode"]
     print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")

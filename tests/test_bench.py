@@ -69,8 +69,8 @@ def test_read_roof_kernel_walk_reads_every_run_of_the_tables_to_its_end():
     expected = sum(1 << int(b) for b in tables.flatten())
     zeros = torch.zeros_like(k)
     for kc, vc in ((k, zeros), (zeros, v)):
-        got = reader.read_kernel_walk(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), num_seqs, blocks_per_seq,
-                                      block_words * 8, 2, 5, 2)
+        got = reader.read_paged(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), num_seqs, blocks_per_seq,
+                                block_words * 8, 4, 2, 5, 2)  # prefetch 4: the kernel's walk
         assert got == expected, (hex(got), hex(expected))
 
 
