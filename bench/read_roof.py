@@ -2,10 +2,10 @@
 over the same bytes, in the same order, with no arithmetic, timed side by side.
 
 A large `sum` over contiguous memory (decode_cpu.py's roof) is the machine's best case. Paged
-decode cannot read that way: it walks each sequence's blocks in table order, and inside a block
-all its K rows (every kv head), then all its V rows. This compiles a small C reader (cc + OpenMP, at first
-use) that does exactly that walk, with and without a software prefetch of the next block, and the
-kernel's own walk (its reading order and all its prefetches, no arithmetic), so the kernel's cost can
+decode cannot read that way: it walks each sequence's blocks in table order, a chunk of blocks at
+a time: their K runs (a block's K rows, every kv head, are one run), then their V runs. This compiles
+a small C reader (cc + OpenMP, at first use) that does a block-by-block walk (each block's K run,
+then its V run) with and without software prefetches, and the kernel's own walk (its reading order and all its prefetches, no arithmetic), so the kernel's cost can
 be split into "the access pattern" and "the kernel itself". The kernel also runs on tables whose
 every entry names one of 4 blocks (its arithmetic with no memory traffic), and the last line says
 how much of that arithmetic the kernel hides under its reads.
