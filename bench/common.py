@@ -121,6 +121,12 @@ class DecodeProblem:
         """Bytes of K and V a decode step must read once."""
         return 2 * self.key.numel() * self.key.element_size()
 
+    @property
+    def in_cache_tables(self) -> torch.Tensor:
+        """block_tables with every entry one of the pool's first 4 blocks: the same work, and the
+        same arithmetic, with K/V that stay in cache."""
+        return self.block_tables % min(4, self.key_cache.size(0))
+
 
 def make_decode_problem(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     problems = {d: cpu_decode_problem(args, DTYPES[d]) for d in dtypes}
     fns, errors = {}, {}
     for d, p in problems.items():
-        tables = p.block_tables % 4 if args.in_cache else p.block_tables
+        tables = p.in_cache_tables if args.in_cache else p.block_tables
         fns["paged", d] = lambda p=p, tables=tables: minipaged_ops.paged_attention_decode(
             p.query, p.key_cache, p.value_cache, tables, p.seq_lens, p.scale)
         fns["sdpa", d] = lambda p=p: sdpa_decode(p)

@@ -5,8 +5,9 @@ A large `sum` over contiguous memory (decode_cpu.py's roof) is the machine's bes
 decode cannot read that way: it walks each sequence's blocks in table order, a chunk of blocks at
 a time: their K runs (a block's K rows, every kv head, are one run), then their V runs. This compiles
 a small C reader (cc + OpenMP, at first use) that does a block-by-block walk (each block's K run,
-then its V run) with and without software prefetches, and the kernel's own walk (its reading order and all its prefetches, no arithmetic), so the kernel's cost can
-be split into "the access pattern" and "the kernel itself". The kernel also runs on tables whose
+then its V run) with and without software prefetches, and the kernel's own walk (its reading
+order and all its prefetches, no arithmetic), so the kernel's cost can be split into "the access
+pattern" and "the kernel itself". The kernel also runs on tables whose
 every entry names one of 4 blocks (its arithmetic with no memory traffic), and the last line says
 how much of that arithmetic the kernel hides under its reads.
 
@@ -109,10 +110,12 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
         u64x8 acc = {0};
         if (prefetch == 4) {
             const int64_t runs = 2 * (j1 - j0);
+            const char* run = kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, 0);
             for (int64_t r = 0; r < runs; ++r) {
                 const char* next = r + 1 < runs ? kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r + 1) : 0;
                 if (next) for (int64_t o = 0; o < block_bytes; o += 4096) __builtin_prefetch(next + o, 0, 1);
-                acc |= read_region(kernel_run(k, v, table, block_bytes, j0, j1, per_chunk, r), next, block_bytes, 4096);
+                acc |= read_region(run, next, block_bytes, 4096);
+                run = next;
             }
         } else {
             for (int64_t j = j0; j < j1; ++j) {
@@ -175,13 +178,14 @@ def main(argv=None) -> None:
                     help="spread --fmas over eight independent chains (throughput-bound, as the kernel's tiles are) "
                          "instead of two dependent ones (latency-bound)")
     ap.add_argument("--also-block-sizes", default="",
-                    help="comma separated: also time the kernel and the 4 KiB-ahead walk on pools with these block "
+                    help="comma separated: also time the kernel and its walk on pools with these block "
                          "sizes (same shape, shuffled), in the same alternation: what the block size costs")
     args = ap.parse_args(argv)
     other_sizes = [int(b) for b in args.also_block_sizes.split(",") if b]
     for bs in [args.block_size, *other_sizes]:
         if args.seq_len % bs:
-            ap.error(f"--seq-len: must be a multiple of every block size here, {bs} included (the reader walks whole blocks)")
+            ap.error(f"--seq-len: must be a multiple of every block size here, {bs} included "
+                     "(the reader walks whole blocks)")
     p = cpu_decode_problem(args, DTYPES[args.dtype])
     threads = torch.get_num_threads()
     reader = load_reader()
@@ -212,7 +216,7 @@ def main(argv=None) -> None:
         "read, paged walk + prefetch next run": paged_read(p, 2),
         "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
         "read, the kernel's walk (its order and prefetches)": paged_read(p, 4),
-        IN_CACHE: decode(p, p.block_tables % min(4, p.key_cache.size(0))),
+        IN_CACHE: decode(p, p.in_cache_tables),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }

@@ -46,7 +46,8 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
     for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
                 "read, paged walk + prefetch next run", "read, paged walk + prefetch 4 KiB ahead",
                 "read, the kernel's walk (its order and prefetches)",
-                "minipaged, every table entry one of 4 blocks (in cache)", "read, contiguous (same bytes)", "torch sum, contiguous (same bytes)"):
+                "minipaged, every table entry one of 4 blocks (in cache)", "read, contiguous (same bytes)",
+                "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
     assert re.search(r"^overlap: .* \d+% of its arithmetic hidden under its reads$", out, re.M), out
     assert ("multiply-adds per 64-byte line" in out) == bool(fmas)
