@@ -127,6 +127,19 @@ class DecodeProblem:
         same arithmetic, with K/V that stay in cache."""
         return self.block_tables % min(4, self.key_cache.size(0))
 
+    def relaid(self, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache, block_tables) holding the same K/V with each sequence's blocks in
+        table order, `stride` blocks apart in a new pool (1: back to back, as contiguous K/V would
+        lie; 2: a zeroed block between each two): the same decode and output, another read pattern."""
+        order = self.block_tables.flatten().long()
+        caches = []
+        for cache in (self.key_cache, self.value_cache):
+            relaid = cache.new_zeros(stride * order.numel(), *cache.shape[1:])
+            relaid[::stride] = cache[order]
+            caches.append(relaid)
+        tables = stride * torch.arange(order.numel(), dtype=torch.int32, device=order.device)
+        return caches[0], caches[1], tables.reshape(self.block_tables.shape)
+
 
 def make_decode_problem(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)

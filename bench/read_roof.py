@@ -8,8 +8,11 @@ a small C reader (cc + OpenMP, at first use) that does a block-by-block walk (ea
 then its V run) with and without software prefetches, and the kernel's own walk (its reading
 order and all its prefetches, no arithmetic), so the kernel's cost can be split into "the access
 pattern" and "the kernel itself". The kernel also runs on tables whose
-every entry names one of 4 blocks (its arithmetic with no memory traffic), and the last line says
-how much of that arithmetic the kernel hides under its reads.
+every entry names one of 4 blocks (its arithmetic with no memory traffic), and the `overlap:` line
+says how much of that arithmetic the kernel hides under its reads. Last, the kernel runs on the same
+blocks laid out back to back (each sequence's K runs one after another, as contiguous K/V lie) and
+in order with a block-sized gap after each: the `layout:` line says what the shuffling costs, and
+whether it is the order of the runs or that they are apart.
 
     python bench/read_roof.py
     python bench/read_roof.py --dtype bfloat16 --threads 1
@@ -36,6 +39,8 @@ from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved
                     make_decode_problem, print_table)
 
 IN_CACHE = "minipaged, every table entry one of 4 blocks (in cache)"
+BACK_TO_BACK = "minipaged, the same blocks back to back"
+GAPPED = "minipaged, the same blocks in order, a block's gap after each"
 PARTITION_TOKENS = 512  # the kernel's work items: kPartitionTokens in src_cuda/cpu/kernels.cpp
 CHUNK_SCORE_BYTES = 32 << 10  # the kernel's chunks of blocks: kChunkScoreBytes there
 
@@ -191,21 +196,31 @@ def main(argv=None) -> None:
     reader = load_reader()
     reader.set_fmas(args.fmas, 8 if args.independent else 2)
 
-    def paged_read(problem, prefetch: int):
-        """The C walk over `problem`'s pool; prefetch 4 is the kernel's own walk (see READER)."""
-        tables = problem.block_tables.contiguous()
-        _, heads, block_size, head_dim = problem.key_cache.shape
-        block_bytes = heads * block_size * head_dim * problem.key_cache.element_size()
+    def paged_read(problem, prefetch: int, pool=None):
+        """The C walk over `problem`'s pool, or over `pool` (key_cache, value_cache, block_tables);
+        prefetch 4 is the kernel's own walk (see READER)."""
+        key_cache, value_cache, tables = pool or (problem.key_cache, problem.value_cache, problem.block_tables)
+        tables = tables.contiguous()
+        _, heads, block_size, head_dim = key_cache.shape
+        block_bytes = heads * block_size * head_dim * key_cache.element_size()
         per_item = max(1, PARTITION_TOKENS // block_size)
         per_chunk = max(1, CHUNK_SCORE_BYTES // (args.num_heads * block_size * 4))
-        kc, vc = problem.key_cache.data_ptr(), problem.value_cache.data_ptr()
+        kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
         return lambda: reader.read_paged(kc, vc, tables.data_ptr(), args.batch, tables.size(1), block_bytes, prefetch,
                                          threads, per_item, per_chunk)
 
-    def decode(problem, tables=None):
-        tables = problem.block_tables if tables is None else tables
-        return lambda: minipaged_ops.paged_attention_decode(problem.query, problem.key_cache, problem.value_cache,
-                                                            tables, problem.seq_lens, problem.scale)
+    def decode(problem, pool=None):
+        """The kernel on `problem`, or on `pool` (key_cache, value_cache, block_tables) instead of its own."""
+        key_cache, value_cache, tables = pool or (problem.key_cache, problem.value_cache, problem.block_tables)
+        return lambda: minipaged_ops.paged_attention_decode(problem.query, key_cache, value_cache, tables,
+                                                            problem.seq_lens, problem.scale)
+
+    # The same blocks laid out differently: back to back (each sequence's K runs one after another,
+    # as contiguous K/V would lie) and in order with a block-sized gap after each.
+    back_to_back, gapped = p.relaid(1), p.relaid(2)
+    expected = decode(p)()
+    for pool in (back_to_back, gapped):
+        assert torch.equal(decode(p, pool)(), expected), "a re-laid pool must decode to the same output"
 
     flat = torch.ones(p.kv_bytes // 4, dtype=torch.float32)
     kc, vc = p.key_cache.data_ptr(), p.value_cache.data_ptr()
@@ -216,7 +231,10 @@ def main(argv=None) -> None:
         "read, paged walk + prefetch next run": paged_read(p, 2),
         "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
         "read, the kernel's walk (its order and prefetches)": paged_read(p, 4),
-        IN_CACHE: decode(p, p.in_cache_tables),
+        IN_CACHE: decode(p, (p.key_cache, p.value_cache, p.in_cache_tables)),
+        BACK_TO_BACK: decode(p, back_to_back),
+        "read, the kernel's walk, blocks back to back": paged_read(p, 4, back_to_back),
+        GAPPED: decode(p, gapped),
         "read, contiguous (same bytes)": lambda: reader.read_contiguous(kc, vc, p.kv_bytes // 2, threads),
         "torch sum, contiguous (same bytes)": flat.sum,
     }
@@ -246,6 +264,11 @@ def main(argv=None) -> None:
     print(f"overlap: the kernel takes {kernel * 1e3:.3f} ms; its walk {walk * 1e3:.3f} ms, its walk + in-cache time "
           f"{(walk + compute) * 1e3:.3f} ms: {100 * min(max((walk + compute - kernel) / compute, 0), 1):.0f}% of its "
           "arithmetic hidden under its reads")
+    # Back to back, the blocks cost only what contiguous K/V would; in order with gaps, the runs are
+    # as scattered as shuffled ones but still ascending.
+    print(f"layout: the same blocks back to back take {100 * t[BACK_TO_BACK] / kernel:.0f}% of the kernel's time on "
+          f"shuffled tables, in order with a gap after each {100 * t[GAPPED] / kernel:.0f}%; shuffling costs "
+          f"{100 * (1 - t[BACK_TO_BACK] / kernel):.0f}% of it")
 
 
 if __name__ == "__main__":

@@ -46,12 +46,34 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
     for row in ("minipaged paged_attention_decode", "read, paged walk", "read, paged walk + prefetch next block",
                 "read, paged walk + prefetch next run", "read, paged walk + prefetch 4 KiB ahead",
                 "read, the kernel's walk (its order and prefetches)",
-                "minipaged, every table entry one of 4 blocks (in cache)", "read, contiguous (same bytes)",
+                "minipaged, every table entry one of 4 blocks (in cache)", "minipaged, the same blocks back to back",
+                "read, the kernel's walk, blocks back to back",
+                "minipaged, the same blocks in order, a block's gap after each", "read, contiguous (same bytes)",
                 "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
     assert re.search(r"^overlap: .* \d+% of its arithmetic hidden under its reads$", out, re.M), out
+    assert re.search(r"^layout: .* back to back take \d+% .* gap after each \d+%; shuffling costs -?\d+% of it$",
+                     out, re.M), out
     assert ("multiply-adds per 64-byte line" in out) == bool(fmas)
     assert ("8 independent chains" in out) == ("--independent" in fmas)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_relaid_pool_holds_each_sequence_in_order_and_decodes_the_same(stride):
+    from common import make_decode_problem
+
+    p = make_decode_problem(3, 40, 4, 2, 16, 8, torch.float32)  # 5 blocks per sequence, the last one partial
+    key_cache, value_cache, tables = p.relaid(stride)
+    assert tables.dtype == torch.int32 and tables.shape == p.block_tables.shape
+    assert tables.flatten().tolist() == list(range(0, stride * tables.numel(), stride))
+    for relaid, cache in ((key_cache, p.key_cache), (value_cache, p.value_cache)):
+        assert relaid.shape[0] == stride * cache.shape[0]
+        assert torch.equal(relaid[tables.flatten().long()], cache[p.block_tables.flatten().long()])
+        if stride > 1:
+            assert not relaid[1::stride].any()  # the gaps hold nothing
+    decode = torch.ops.minipaged.paged_attention_decode
+    assert torch.equal(decode(p.query, key_cache, value_cache, tables, p.seq_lens, p.scale, None),
+                       decode(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale, None))
 
 
 def test_read_roof_kernel_walk_reads_every_run_of_the_tables_to_its_end():
