@@ -8,6 +8,7 @@ and printed as ratios; absolute times on a shared machine are only indicative.
     python bench/decode_cpu.py --dtype float32,bfloat16   # per-byte comparison in one run
     python bench/decode_cpu.py --batch 1 --seq-len 32768
     python bench/decode_cpu.py --in-cache --threads 1    # the kernel's own cost, without memory
+    python bench/decode_cpu.py --back-to-back --dtype float32,bfloat16   # without scattered blocks
     python bench/decode_cpu.py --busy --batch 2 --seq-len 512   # another process spinning on a core
 """
 
@@ -33,6 +34,9 @@ def main(argv=None) -> None:
                     help="point every block-table entry at one of 4 blocks, so K/V stay in cache and the paged "
                          "kernel's compute cost shows (GB/s then counts the bytes it would have read; SDPA is "
                          "left out, having no such mode)")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="lay each sequence's blocks back to back in the pool (as contiguous K/V lie) instead of "
+                         "shuffled: the same decode without the cost of scattered blocks")
     ap.add_argument("--busy", action="store_true",
                     help="time everything while another process spins on one core (a shared machine's load)")
     args = ap.parse_args(argv)
@@ -40,12 +44,15 @@ def main(argv=None) -> None:
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")
 
+    if args.in_cache and args.back_to_back:
+        ap.error("--in-cache and --back-to-back: choose one (in cache, the layout does not matter)")
     problems = {d: cpu_decode_problem(args, DTYPES[d]) for d in dtypes}
     fns, errors = {}, {}
     for d, p in problems.items():
-        tables = p.in_cache_tables if args.in_cache else p.block_tables
-        fns["paged", d] = lambda p=p, tables=tables: minipaged_ops.paged_attention_decode(
-            p.query, p.key_cache, p.value_cache, tables, p.seq_lens, p.scale)
+        pool = (p.relaid(1) if args.back_to_back
+                else (p.key_cache, p.value_cache, p.in_cache_tables if args.in_cache else p.block_tables))
+        fns["paged", d] = lambda p=p, pool=pool: minipaged_ops.paged_attention_decode(p.query, *pool, p.seq_lens,
+                                                                                      p.scale)
         fns["sdpa", d] = lambda p=p: sdpa_decode(p)
         errors[d] = (fns["paged", d]().double() - fns["sdpa", d]().double()).abs().max().item()
         if args.in_cache:
@@ -61,7 +68,8 @@ def main(argv=None) -> None:
     print(("IN-CACHE (every table entry names one of 4 blocks): " if args.in_cache else "")
           + ("BUSY (another process spinning on a core): " if args.busy else "")
           + f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
-          f"{args.head_dim}, block {args.block_size}, shuffled blocks; {torch.get_num_threads()} threads; "
+          f"{args.head_dim}, block {args.block_size}, {'blocks back to back' if args.back_to_back else 'shuffled blocks'}; "
+          f"{torch.get_num_threads()} threads; "
           + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"
                       for d, p in problems.items()))
     print(f"read bandwidth (sum over {roof_bytes / 2**20:.0f} MiB, timed alongside): {read_bw / 1e9:.1f} GB/s")

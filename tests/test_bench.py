@@ -34,6 +34,14 @@ def test_decode_cpu_prints_every_dtype_and_the_per_byte_ratio():
     assert len(errors) == 3 and max(errors) < 1e-2, out
 
 
+def test_decode_cpu_back_to_back_decodes_the_same_and_says_so():
+    out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "72", "--iters", "2", "--back-to-back",
+                    "--dtype", "float32,bfloat16")
+    assert "blocks back to back" in out and "shuffled" not in out
+    errors = [float(e) for e in re.findall(r"max \|paged - sdpa\| = ([\d.e+-]+)", out)]
+    assert len(errors) == 2 and max(errors) < 1e-2, out
+
+
 def test_decode_cpu_in_cache_mode_has_no_sdpa_rows():
     out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--in-cache",
                     "--threads", "1")
