@@ -122,10 +122,15 @@ class DecodeProblem:
         return 2 * self.key.numel() * self.key.element_size()
 
     @property
-    def in_cache_tables(self) -> torch.Tensor:
-        """block_tables with every entry one of the pool's first 4 blocks: the same work, and the
+    def pool(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache, block_tables): what the paged kernel reads, as `relaid` returns it."""
+        return self.key_cache, self.value_cache, self.block_tables
+
+    @property
+    def in_cache_pool(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pool with every block_tables entry one of its first 4 blocks: the same work, and the
         same arithmetic, with K/V that stay in cache."""
-        return self.block_tables % min(4, self.key_cache.size(0))
+        return self.key_cache, self.value_cache, self.block_tables % min(4, self.key_cache.size(0))
 
     def relaid(self, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache, block_tables) holding the same K/V with each sequence's blocks in

@@ -49,8 +49,7 @@ def main(argv=None) -> None:
     problems = {d: cpu_decode_problem(args, DTYPES[d]) for d in dtypes}
     fns, errors = {}, {}
     for d, p in problems.items():
-        pool = (p.relaid(1) if args.back_to_back
-                else (p.key_cache, p.value_cache, p.in_cache_tables if args.in_cache else p.block_tables))
+        pool = p.relaid(1) if args.back_to_back else p.in_cache_pool if args.in_cache else p.pool
         fns["paged", d] = lambda p=p, pool=pool: minipaged_ops.paged_attention_decode(p.query, *pool, p.seq_lens,
                                                                                       p.scale)
         fns["sdpa", d] = lambda p=p: sdpa_decode(p)

@@ -199,7 +199,7 @@ def main(argv=None) -> None:
     def paged_read(problem, prefetch: int, pool=None):
         """The C walk over `problem`'s pool, or over `pool` (key_cache, value_cache, block_tables);
         prefetch 4 is the kernel's own walk (see READER)."""
-        key_cache, value_cache, tables = pool or (problem.key_cache, problem.value_cache, problem.block_tables)
+        key_cache, value_cache, tables = pool or problem.pool
         tables = tables.contiguous()
         _, heads, block_size, head_dim = key_cache.shape
         block_bytes = heads * block_size * head_dim * key_cache.element_size()
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
 
     def decode(problem, pool=None):
         """The kernel on `problem`, or on `pool` (key_cache, value_cache, block_tables) instead of its own."""
-        key_cache, value_cache, tables = pool or (problem.key_cache, problem.value_cache, problem.block_tables)
+        key_cache, value_cache, tables = pool or problem.pool
         return lambda: minipaged_ops.paged_attention_decode(problem.query, key_cache, value_cache, tables,
                                                             problem.seq_lens, problem.scale)
 
@@ -231,7 +231,7 @@ def main(argv=None) -> None:
         "read, paged walk + prefetch next run": paged_read(p, 2),
         "read, paged walk + prefetch 4 KiB ahead": paged_read(p, 3),
         "read, the kernel's walk (its order and prefetches)": paged_read(p, 4),
-        IN_CACHE: decode(p, (p.key_cache, p.value_cache, p.in_cache_tables)),
+        IN_CACHE: decode(p, p.in_cache_pool),
         BACK_TO_BACK: decode(p, back_to_back),
         "read, the kernel's walk, blocks back to back": paged_read(p, 4, back_to_back),
         GAPPED: decode(p, gapped),
