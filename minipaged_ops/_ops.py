@@ -31,10 +31,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key[i]``/``value[i]`` (``[num_tokens, num_kv_heads, head_dim]``) into slot
-    ``slot_mapping[i]`` of the caches, in place. Negative slots are skipped."""
-    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    ``slot_mapping[i]`` of the caches, in place. Negative slots are skipped.
+
+    8-bit caches (dtype ``int8``, ``float8_e4m3fn``, ``float8_e5m2``) are quantized here: ``int8``
+    writes each token's and kv head's float32 scale into ``key_scale``/``value_scale``
+    (``[num_blocks, num_kv_heads, block_size]``); fp8 divides by the layer's scales (one float32
+    element each) and saturates. See ``minipaged_ops.quantized`` for pools and scales."""
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
 
 
 def paged_attention_decode(
@@ -45,13 +52,17 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One-token attention per sequence over its cached K/V, read through ``block_tables``.
 
     ``query`` is ``[num_seqs, num_heads, head_dim]``; returns the same shape and dtype.
     ``max_seq_len``, if given, must bound ``seq_lens``; it only narrows the CUDA grid.
+    An 8-bit cache takes its scales (as ``reshape_and_cache``) and dequantizes as it reads.
     """
-    return _ops.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+    return _ops.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                       key_scale, value_scale)
 
 
 def paged_attention_prefill(
@@ -63,6 +74,8 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences over their cached K/V.
 
@@ -71,38 +84,48 @@ def paged_attention_prefill(
     each sequence's tokens *including* the new ones, whose K/V must already be in the cache; new
     token ``j`` sits at position ``seq_lens[i] - q_i + j`` and sees positions up to its own.
     Returns the query's shape and dtype. ``max_query_len``, if given, must bound every ``q_i``.
+    An 8-bit cache takes its scales (as ``reshape_and_cache``) and dequantizes as it reads.
     """
     return _ops.paged_attention_prefill(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len, key_scale,
+        value_scale
     )
 
 
-def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def copy_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
     """Copy block ``src`` over block ``dst`` in both caches for each row of ``block_mapping``
-    (int64 ``[n, 2]``); destinations must be distinct and not also sources."""
-    _ops.copy_blocks(key_cache, value_cache, block_mapping)
+    (int64 ``[n, 2]``); destinations must be distinct and not also sources. An ``int8`` cache's
+    scales are copied with their blocks (fp8's, one per layer, are left as they are)."""
+    _ops.copy_blocks(key_cache, value_cache, block_mapping, key_scale, value_scale)
 
 
 @torch.library.register_fake("minipaged::paged_attention_decode")
-def _paged_attention_decode_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None):
+def _paged_attention_decode_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
+                                 key_scale=None, value_scale=None):
     torch._check(query.dim() == 3, lambda: f"query: expected 3-D [num_seqs, num_heads, head_dim], got {query.dim()}-D")
     return query.new_empty(query.shape)
 
 
 @torch.library.register_fake("minipaged::paged_attention_prefill")
 def _paged_attention_prefill_fake(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                  max_query_len=None):
+                                  max_query_len=None, key_scale=None, value_scale=None):
     torch._check(query.dim() == 3, lambda: f"query: expected 3-D [total_q, num_heads, head_dim], got {query.dim()}-D")
     return query.new_empty(query.shape)
 
 
 @torch.library.register_fake("minipaged::reshape_and_cache")
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, key_scale=None, value_scale=None):
     return None
 
 
 @torch.library.register_fake("minipaged::copy_blocks")
-def _copy_blocks_fake(key_cache, value_cache, block_mapping):
+def _copy_blocks_fake(key_cache, value_cache, block_mapping, key_scale=None, value_scale=None):
     return None
 
 

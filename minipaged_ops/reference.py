@@ -10,16 +10,54 @@ from __future__ import annotations
 
 import torch
 
+from .quantized import FORMAT_MAX, is_quantized
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Write token ``i`` of ``key``/``value`` into slot ``slot_mapping[i]``; skip negative slots."""
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def quantize(x, cache_dtype, scale=None):
+    """Rows ``x`` (``[..., head_dim]``, any float dtype) in an 8-bit cache dtype, as the kernels write
+    them (float32 arithmetic, so the bytes agree exactly). ``int8``: one scale per row, amax / 127,
+    returned; fp8: ``scale`` (the layer's, a float32 tensor) given, values saturated. Returns
+    ``(q, scale)``."""
+    x = x.float()
+    if cache_dtype == torch.int8:
+        amax = x.abs().amax(-1)
+        inv = torch.where(amax > 0, (127.0 / amax).clamp(max=_FLOAT32_MAX), torch.zeros_like(amax))
+        q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return q, amax / 127.0
+    inv = 1.0 / scale.float().reshape(())
+    limit = FORMAT_MAX[cache_dtype]
+    return (x * inv).clamp(-limit, limit).to(cache_dtype), scale
+
+
+def dequantize(cache, scale):
+    """An 8-bit cache (or rows of one) in float64: ``int8`` times its per-row scales (``cache``'s
+    shape less head_dim), fp8 times the layer's scale. A float cache is returned as it is."""
+    if not is_quantized(cache.dtype):
+        return cache
+    scale = scale.double()
+    if cache.dtype == torch.int8:
+        return cache.double() * scale[..., None]
+    return cache.double() * scale.reshape(())
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, key_scale=None, value_scale=None) -> None:
+    """Write token ``i`` of ``key``/``value`` into slot ``slot_mapping[i]``; skip negative slots.
+    An 8-bit cache gets the rows quantized (``quantize``), int8's scales into ``key_scale``/``value_scale``."""
     block_size = key_cache.shape[2]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        key_cache[block, :, offset, :] = key[i]
-        value_cache[block, :, offset, :] = value[i]
+        for rows, cache, scales in ((key[i], key_cache, key_scale), (value[i], value_cache, value_scale)):
+            if not is_quantized(cache.dtype):
+                cache[block, :, offset, :] = rows
+                continue
+            q, row_scales = quantize(rows, cache.dtype, scales)
+            cache[block, :, offset, :] = q
+            if cache.dtype == torch.int8:
+                scales[block, :, offset] = row_scales
 
 
 def gather_kv(key_cache, value_cache, block_table, seq_len: int):
@@ -32,8 +70,11 @@ def gather_kv(key_cache, value_cache, block_table, seq_len: int):
     return k, v
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
-    """``softmax(q·Kᵀ·scale)·V`` per sequence and head, K/V read through the block table."""
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float, key_scale=None,
+                           value_scale=None):
+    """``softmax(q·Kᵀ·scale)·V`` per sequence and head, K/V read through the block table (an 8-bit
+    cache dequantized first, in float64)."""
+    key_cache, value_cache = dequantize(key_cache, key_scale), dequantize(value_cache, value_scale)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -50,10 +91,12 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     return out
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale: float):
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
+                            key_scale=None, value_scale=None):
     """Causal ``softmax(Q·Kᵀ·scale)·V`` for each sequence's packed new tokens: new token ``j`` of
     sequence ``i`` (``q_i`` of them) sits at position ``seq_lens[i] - q_i + j`` and sees positions
-    ``0 ..`` its own, read through the block table."""
+    ``0 ..`` its own, read through the block table (an 8-bit cache dequantized first)."""
+    key_cache, value_cache = dequantize(key_cache, key_scale), dequantize(value_cache, value_scale)
     num_kv_heads = key_cache.shape[1]
     group = query.shape[1] // num_kv_heads
     out = torch.zeros_like(query)
@@ -73,8 +116,12 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seql
     return out
 
 
-def copy_blocks(key_cache, value_cache, block_mapping) -> None:
-    """For each row ``(src, dst)`` of ``block_mapping``, copy block ``src`` over block ``dst``."""
+def copy_blocks(key_cache, value_cache, block_mapping, key_scale=None, value_scale=None) -> None:
+    """For each row ``(src, dst)`` of ``block_mapping``, copy block ``src`` over block ``dst`` (and
+    an int8 cache's scales of it)."""
     for src, dst in block_mapping.tolist():
         key_cache[dst] = key_cache[src]
         value_cache[dst] = value_cache[src]
+        if key_cache.dtype == torch.int8:
+            key_scale[dst] = key_scale[src]
+            value_scale[dst] = value_scale[src]

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_set>
@@ -11,8 +12,22 @@
 namespace minipaged {
 namespace {
 
+bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
 bool is_cache_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  return is_float_dtype(t) || t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+// What a tensor that meets the cache (query, key, value) must be: the cache's dtype, or for an
+// 8-bit cache any of the float dtypes.
+void check_input_dtype(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
+  if (is_float_dtype(key_cache.scalar_type())) {
+    TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), name, ": expected dtype ", key_cache.scalar_type(),
+                " (that of key_cache), got ", t.scalar_type());
+  } else {
+    TORCH_CHECK_VALUE(is_float_dtype(t.scalar_type()), name, ": expected dtype float32, float16 or bfloat16 (",
+                      key_cache.scalar_type(), " key_cache is quantized from and to them), got ", t.scalar_type());
+  }
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref) {
@@ -38,9 +53,10 @@ CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& valu
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache: expected shape ",
                     key_cache.sizes(), " (that of key_cache), got ", value_cache.sizes());
   TORCH_CHECK(is_cache_dtype(key_cache.scalar_type()),
-              "key_cache: expected dtype float32, float16 or bfloat16, got ", key_cache.scalar_type());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
-              key_cache.scalar_type(), " (that of key_cache), got ", value_cache.scalar_type());
+              "key_cache: expected dtype float32, float16 or bfloat16 (or int8, float8_e4m3fn, float8_e5m2 for an "
+              "8-bit cache), got ", key_cache.scalar_type());
+  TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
+                    key_cache.scalar_type(), " (that of key_cache), got ", value_cache.scalar_type());
   check_same_device(value_cache, "value_cache", key_cache);
   TORCH_CHECK_VALUE(key_cache.is_contiguous(), "key_cache: expected a contiguous tensor");
   TORCH_CHECK_VALUE(value_cache.is_contiguous(), "value_cache: expected a contiguous tensor");
@@ -59,10 +75,9 @@ CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& val
                     "] (num_kv_heads and head_dim of key_cache), got ", key.sizes());
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value: expected shape ", key.sizes(),
                     " (that of key), got ", value.sizes());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key: expected dtype ",
-              key_cache.scalar_type(), " (that of key_cache), got ", key.scalar_type());
-  TORCH_CHECK(value.scalar_type() == key_cache.scalar_type(), "value: expected dtype ",
-              key_cache.scalar_type(), " (that of key_cache), got ", value.scalar_type());
+  check_input_dtype(key, "key", key_cache);
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value: expected dtype ", key.scalar_type(),
+              " (that of key), got ", value.scalar_type());
   check_same_device(key, "key", key_cache);
   check_same_device(value, "value", key_cache);
   check_same_device(slot_mapping, "slot_mapping", key_cache);
@@ -109,8 +124,7 @@ static CacheLayout check_attention_query(const at::Tensor& query, const at::Tens
   TORCH_CHECK_VALUE(query.size(1) > 0 && query.size(1) % layout.num_kv_heads == 0,
                     "query: num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
                     layout.num_kv_heads, ")");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query: expected dtype ",
-              key_cache.scalar_type(), " (that of key_cache), got ", query.scalar_type());
+  check_input_dtype(query, "query", key_cache);
   check_same_device(query, "query", key_cache);
   return layout;
 }
@@ -230,6 +244,64 @@ void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layou
     TORCH_CHECK_VALUE(!sources.count(dst), "block_mapping: destination block ", dst,
                       " is also a source in the same call");
   }
+}
+
+KVFormat kv_format_of(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return KVFormat::kInt8;
+    case at::kFloat8_e4m3fn: return KVFormat::kFp8E4M3;
+    case at::kFloat8_e5m2: return KVFormat::kFp8E5M2;
+    default: return KVFormat::kNone;
+  }
+}
+
+static void check_one_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& key_cache,
+                            const CacheLayout& layout, KVFormat format) {
+  if (format == KVFormat::kNone) {
+    TORCH_CHECK_VALUE(!scale.has_value(), name, ": scales are for 8-bit caches (int8, float8_e4m3fn, "
+                      "float8_e5m2), but key_cache is ", key_cache.scalar_type());
+    return;
+  }
+  const bool per_token = format == KVFormat::kInt8;
+  TORCH_CHECK_VALUE(scale.has_value(), name, ": a ", key_cache.scalar_type(), " key_cache needs its scales: ",
+                    per_token ? "float32 [num_blocks, num_kv_heads, block_size], one per token and kv head"
+                              : "a float32 tensor of one element, the layer's scale");
+  const at::Tensor& s = *scale;
+  TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, name, ": expected dtype float32, got ", s.scalar_type());
+  check_same_device(s, name, key_cache);
+  if (per_token) {
+    TORCH_CHECK_VALUE(s.dim() == 3 && s.size(0) == layout.num_blocks && s.size(1) == layout.num_kv_heads &&
+                          s.size(2) == layout.block_size,
+                      name, ": an int8 cache keeps one scale per token and kv head: expected shape [",
+                      layout.num_blocks, ", ", layout.num_kv_heads, ", ", layout.block_size,
+                      "] ([num_blocks, num_kv_heads, block_size] of key_cache), got ", s.sizes());
+    TORCH_CHECK_VALUE(s.is_contiguous(), name, ": expected a contiguous tensor");
+  } else {
+    TORCH_CHECK_VALUE(s.numel() == 1, name, ": a ", key_cache.scalar_type(),
+                      " cache has one scale per layer: expected a tensor of one element, got shape ", s.sizes());
+  }
+}
+
+KVFormat check_kv_scales(const at::Tensor& key_cache, const CacheLayout& layout,
+                         const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
+  const KVFormat format = kv_format_of(key_cache);
+  check_one_scale(key_scale, "key_scale", key_cache, layout, format);
+  check_one_scale(value_scale, "value_scale", key_cache, layout, format);
+  return format;
+}
+
+LayerScales check_layer_scale_values(KVFormat format, const std::optional<at::Tensor>& key_scale,
+                                     const std::optional<at::Tensor>& value_scale) {
+  LayerScales out;
+  if (format != KVFormat::kFp8E4M3 && format != KVFormat::kFp8E5M2) return out;
+  auto read = [](const at::Tensor& t, const char* name) {
+    const float v = t.to(at::kCPU).reshape({}).item<float>();
+    TORCH_CHECK_VALUE(std::isfinite(v) && v > 0.f, name, ": expected a finite scale > 0, got ", v);
+    return v;
+  };
+  out.key = read(*key_scale, "key_scale");
+  out.value = read(*value_scale, "value_scale");
+  return out;
 }
 
 bool validate_device_data() {

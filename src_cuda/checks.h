@@ -11,10 +11,28 @@
 #include <optional>
 
 #include "cache_layout.h"
+#include "quant.h"
 
 namespace minipaged {
 
 CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// The 8-bit format of a cache (quant.h) from its dtype: int8, float8_e4m3fn, float8_e5m2; kNone for
+// float32, float16 and bfloat16.
+KVFormat kv_format_of(const at::Tensor& cache);
+// key_scale / value_scale against the caches' format: none for a float cache; for int8, float32
+// [num_blocks, num_kv_heads, block_size] contiguous; for fp8, float32 with one element (the
+// layer's scale). `writes`: the op writes the int8 scales (reshape_and_cache, copy_blocks).
+KVFormat check_kv_scales(const at::Tensor& key_cache, const CacheLayout& layout,
+                         const std::optional<at::Tensor>& key_scale,
+                         const std::optional<at::Tensor>& value_scale);
+// An fp8 layer scale must be finite and > 0 (reads the scale: the CPU always, CUDA when
+// validate_device_data()). Returns the (key, value) scales, 1 for other formats.
+struct LayerScales {
+  float key = 1.f, value = 1.f;
+};
+LayerScales check_layer_scale_values(KVFormat format, const std::optional<at::Tensor>& key_scale,
+                                     const std::optional<at::Tensor>& value_scale);
 
 CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                     const at::Tensor& key_cache, const at::Tensor& value_cache,

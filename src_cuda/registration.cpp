@@ -9,14 +9,19 @@
 
 TORCH_LIBRARY(minipaged, m) {
   // Writes key[i], value[i] into slot slot_mapping[i] of the caches; negative slots are skipped.
+  // 8-bit caches (quant.h; the format follows the cache dtype) quantize here and take scales:
+  // int8 writes the tokens' scales into key_scale / value_scale ([num_blocks, num_kv_heads,
+  // block_size] float32), fp8 reads its layer's (one float32 each). Float caches take none.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   // One-token decode attention, K/V read through block tables. max_seq_len, when given, is an
   // upper bound on seq_lens that lets the CUDA kernel size its grid without reading seq_lens.
+  // key_scale / value_scale: an 8-bit cache's, as reshape_and_cache takes them.
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale, int? max_seq_len=None) -> Tensor");
+      "Tensor block_tables, Tensor seq_lens, float scale, int? max_seq_len=None, Tensor? key_scale=None, "
+      "Tensor? value_scale=None) -> Tensor");
   // Causal attention for the new tokens of several sequences, packed [total_q, num_heads, head_dim]
   // (cu_seqlens_q: int32 [n + 1] offsets), over each sequence's paged history and themselves:
   // new token j of sequence i sits at position seq_lens[i] - q_i + j. max_query_len, when given,
@@ -24,9 +29,12 @@ TORCH_LIBRARY(minipaged, m) {
   m.def(
       "paged_attention_prefill(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale, "
-      "int? max_query_len=None) -> Tensor");
-  // Copies whole blocks (src, dst) in both caches: the data side of copy-on-write.
-  m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
+      "int? max_query_len=None, Tensor? key_scale=None, Tensor? value_scale=None) -> Tensor");
+  // Copies whole blocks (src, dst) in both caches: the data side of copy-on-write. An int8 cache's
+  // scales are paged like it and are copied with it; an fp8 cache's (per layer) are left alone.
+  m.def(
+      "copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping, "
+      "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   // What this build compiled, and why a backend is missing (e.g. no nvcc for a CUDA torch).
   m.def("build_info() -> str", [] { return std::string(MINIPAGED_BUILD_INFO); });
   // The CPU kernels' instruction-set variant in use, and those this CPU could use (cpu/isa.h).

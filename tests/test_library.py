@@ -15,12 +15,13 @@ from conftest import DEVICES, device_params, make_paged_case
 def test_schemas_are_defined_once_in_cpp():
     for name, schema in [
         ("reshape_and_cache", "minipaged::reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-                              "Tensor(b!) value_cache, Tensor slot_mapping) -> ()"),
+                              "Tensor(b!) value_cache, Tensor slot_mapping, Tensor(c!)? key_scale=None, "
+                              "Tensor(d!)? value_scale=None) -> ()"),
         ("paged_attention_decode", "minipaged::paged_attention_decode(Tensor query, Tensor key_cache, "
                                    "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-                                   "int? max_seq_len=None) -> Tensor"),
+                                   "int? max_seq_len=None, Tensor? key_scale=None, Tensor? value_scale=None) -> Tensor"),
         ("copy_blocks", "minipaged::copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, "
-                        "Tensor block_mapping) -> ()"),
+                        "Tensor block_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()"),
     ]:
         assert str(getattr(torch.ops.minipaged, name).default._schema) == schema
 

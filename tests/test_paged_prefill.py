@@ -130,7 +130,8 @@ def test_one_new_token_each_equals_decode(heads, dtype, device):
 def test_schema():
     assert str(torch.ops.minipaged.paged_attention_prefill.default._schema) == (
         "minipaged::paged_attention_prefill(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale, int? max_query_len=None) -> Tensor")
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale, int? max_query_len=None, "
+        "Tensor? key_scale=None, Tensor? value_scale=None) -> Tensor")
 
 
 def prefill_args(case, scale=0.125):

@@ -28,6 +28,7 @@
 #include "cache_layout.h"
 #include "checks.h"
 #include "cpu/isa.h"
+#include "cpu/quantize.h"
 #include "cpu/vec.h"
 
 namespace minipaged::MINIPAGED_CPU_ISA {
@@ -66,12 +67,15 @@ struct Partial {
 // blocks (16 bfloat16 tokens: 8 KiB of K/V per kv head) a max, horizontal max and rescale test
 // each: 6-14% faster in cache for bfloat16, float32 within 5%; from memory the same
 // (bench/RESULTS.md).
+// 8-bit caches (T int8_t, fp8_e4m3, fp8_e5m2): the rows convert in registers (load16); an fp8
+// layer's K scale is in q already and its V scale multiplies the result; int8's per-token scales
+// multiply each block's scores (K) and probabilities (V), a float per token and head.
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
                       const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
                       const T* key_cache, const T* value_cache, const CacheLayout& layout,
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
-                      std::vector<float>& scratch) {
+                      std::vector<float>& scratch, const KVScales& kv_scales) {
   const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(begin < end && begin % B == 0);
 #if defined(__AVX512BF16__)
@@ -106,6 +110,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const int64_t num_blocks = (end - begin + B - 1) / B;
   const int32_t* blocks = block_table + begin / B;
   auto run = [&](const T* cache, int64_t i) { return cache + layout.row(blocks[i], 0, 0); };
+  // int8: the scales of block i's run in `cache` (key or value), B per kv head.
+  constexpr bool kPerTokenScales = std::is_same_v<T, int8_t>;
+  auto scale_run = [&](const T* cache, int64_t i) {
+    return (cache == key_cache ? kv_scales.key : kv_scales.value) + blocks[i] * layout.num_kv_heads * B;
+  };
+  const int64_t scale_run_bytes = layout.num_kv_heads * B * static_cast<int64_t>(sizeof(float));
   // The prefetch stream for a kv head's rows of `rows`, continuing into `next_run`; only the
   // first tile of a kv head drives it (the others read the same rows).
   auto ahead_of = [&](const T* rows, const char* next_run, int64_t kv_head, int64_t g0) {
@@ -117,19 +127,31 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk_blocks) {
     const int64_t c1 = std::min(c0 + chunk_blocks, num_blocks);
     const int64_t n_chunk = std::min(end, begin + c1 * B) - (begin + c0 * B);  // tokens in this chunk
-    // Calls f(rows, n, next_run, offset) for each block of the chunk: `rows` its K (or V), n of its
-    // tokens in use, the run after it in reading order, its first token's index in the chunk.
+    // Calls f(rows, n, next_run, offset, scales) for each block of the chunk: `rows` its K (or V), n
+    // of its tokens in use, the run after it in reading order, its first token's index in the
+    // chunk, and (int8) its scales.
     auto for_each_block = [&](const T* cache, auto&& f) {
       for (int64_t i = c0; i < c1; ++i) {
-        const T* next = i + 1 < c1 ? run(cache, i + 1)
-                        : cache == key_cache ? run(value_cache, c0)
-                        : c1 < num_blocks ? run(key_cache, c1)
-                        : nullptr;
+        const T* next_cache = i + 1 < c1 ? cache : cache == key_cache ? value_cache : key_cache;
+        const int64_t next_i = i + 1 < c1 ? i + 1 : cache == key_cache ? c0 : c1;
+        const T* next = next_i < num_blocks ? run(next_cache, next_i) : nullptr;
         if (next != nullptr) touch_pages(reinterpret_cast<const char*>(next), run_bytes);
-        f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B);
+        const float* scales = nullptr;
+        if constexpr (kPerTokenScales) {
+          scales = scale_run(cache, i);
+          if (next != nullptr) prefetch(reinterpret_cast<const char*>(scale_run(next_cache, next_i)), scale_run_bytes);
+        }
+        f(run(cache, i), std::min(B, n_chunk - (i - c0) * B), reinterpret_cast<const char*>(next), (i - c0) * B,
+          scales);
       }
     };
-    for_each_block(key_cache, [&](const T* k_rows, int64_t n, const char* next_run, int64_t t0) {
+    // rows[g * C + t] *= scales[t] for the tile's heads: int8's per-token scales.
+    auto scale_tokens = [&](float* rows, int64_t gt, const float* scales, int64_t n) {
+      for (int64_t g = 0; g < gt; ++g)
+        for (int64_t t = 0; t < n; ++t) rows[g * C + t] *= scales[t];
+    };
+    for_each_block(key_cache, [&](const T* k_rows, int64_t n, const char* next_run, int64_t t0,
+                                  [[maybe_unused]] const float* k_scales) {
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
         const T* k = k_rows + kv_head * B * D;
         RowPrefetch pf = ahead_of(k_rows, next_run, kv_head, g0);
@@ -140,13 +162,16 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #endif
           tile.scores(q + g0 * D, k, n, D, scores + g0 * C + t0, C, pf);
         });
+        if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, k_scales + kv_head * B, n);
       });
     });
     for (int64_t h = 0; h < num_heads; ++h)
       softmax_update(scores + h * C, n_chunk, out.max_score[h], exp_sums[h], out.acc + h * D, D);
-    for_each_block(value_cache, [&](const T* v_rows, int64_t n, const char* next_run, int64_t t0) {
+    for_each_block(value_cache, [&](const T* v_rows, int64_t n, const char* next_run, int64_t t0,
+                                    [[maybe_unused]] const float* v_scales) {
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
         const T* v = v_rows + kv_head * B * D;
+        if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, v_scales + kv_head * B, n);
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
@@ -159,6 +184,9 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     });
   }
   for (int64_t h = 0; h < num_heads; ++h) out.exp_sum[h] = hsum(exp_sums[h]);
+  if constexpr (kQuantized<T>)
+    if (kv_scales.value_layer != 1.f)
+      for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
   if (bf16_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 }
@@ -166,9 +194,14 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
                                       const at::Tensor& seq_lens, double scale,
-                                      std::optional<int64_t> max_seq_len) {
+                                      std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& key_scale,
+                                      const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens);
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
+  const LayerScales layer = check_layer_scale_values(format, key_scale, value_scale);
   check_decode_ranges(block_tables, seq_lens, layout);
+  KVScales kv_scales{nullptr, nullptr, raw_scale(format, layer.key), raw_scale(format, layer.value)};
+  if (format == KVFormat::kInt8) kv_scales.key = key_scale->const_data_ptr<float>(), kv_scales.value = value_scale->const_data_ptr<float>();
   const at::Tensor lens = seq_lens.contiguous();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), D = layout.head_dim;
@@ -196,9 +229,26 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   at::Tensor out = at::empty({num_seqs, num_heads, D}, query.options());
 
   MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_decode_cpu", [&] {
-    const scalar_t* kc = key_cache.const_data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.const_data_ptr<scalar_t>();
     const scalar_t* qp = q_raw.const_data_ptr<scalar_t>();
+    // The work item by cache format: the query is float from here on, so an 8-bit format's
+    // kernel is compiled once, whatever the query dtype.
+    auto work_item = [&](const float* q, const scalar_t* q_seq, const int32_t* block_table, int64_t begin, int64_t end,
+                         Partial partial, std::vector<float>& scratch) {
+      auto run = [&](auto* cache_type) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_type)>>;
+        const T* q_cache = nullptr;
+        if constexpr (std::is_same_v<T, scalar_t>) q_cache = q_seq;
+        decode_work_item<T>(q, q_cache, static_cast<float>(scale), static_cast<const T*>(key_cache.const_data_ptr()),
+                            static_cast<const T*>(value_cache.const_data_ptr()), layout, block_table, begin, end,
+                            group, partial, scratch, kv_scales);
+      };
+      switch (format) {
+        case KVFormat::kInt8: return run(static_cast<const int8_t*>(nullptr));
+        case KVFormat::kFp8E4M3: return run(static_cast<const fp8_e4m3*>(nullptr));
+        case KVFormat::kFp8E5M2: return run(static_cast<const fp8_e5m2*>(nullptr));
+        default: return run(static_cast<const scalar_t*>(nullptr));
+      }
+    };
     float* mp = max_score.data_ptr<float>();
     float* ep = exp_sum.data_ptr<float>();
     float* ap = acc.data_ptr<float>();
@@ -237,7 +287,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     // more than it saves, and under load it can cost a time slice: run on the caller.
     int64_t total_tokens = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total_tokens += lens_ptr[s];
-    const int64_t kv_bytes = 2 * total_tokens * layout.num_kv_heads * D * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t kv_bytes = 2 * total_tokens * layout.num_kv_heads * D * key_cache.element_size();
     const int64_t threads = kv_bytes < (256 << 10) ? 1 : std::min<int64_t>(items, at::get_num_threads());
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch, q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D), row(D);
@@ -246,10 +296,11 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);
         if (begin < end) {
           const scalar_t* q_seq = qp + s * num_heads * D;
-          for (int64_t i = 0; i < num_heads * D; ++i) q[i] = static_cast<float>(q_seq[i]) * static_cast<float>(scale);
-          decode_work_item<scalar_t>(q.data(), q_seq, static_cast<float>(scale), kc, vc, layout,
-                                     tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end, group,
-                                     Partial{m.data(), l.data(), a.data()}, scratch);
+          // An fp8 layer's K scale is folded in here (1 for other caches).
+          const float q_scale = static_cast<float>(scale) * kv_scales.key_layer;
+          for (int64_t i = 0; i < num_heads * D; ++i) q[i] = static_cast<float>(q_seq[i]) * q_scale;
+          work_item(q.data(), q_seq, tables.const_data_ptr<int32_t>() + s * tables.size(1), begin, end,
+                    Partial{m.data(), l.data(), a.data()}, scratch);
         } else {
           std::fill(l.begin(), l.end(), 0.f);  // an empty sequence's output is zeros
           std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -316,12 +367,21 @@ inline void stream_fence() {
 }
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
+  const LayerScales layer = check_layer_scale_values(format, key_scale, value_scale);
   check_slot_range(slot_mapping, layout);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t D = layout.head_dim;
+  if (format != KVFormat::kNone) {
+    const bool per_token = format == KVFormat::kInt8;
+    return cpu::quantize_and_cache(key, value, key_cache, value_cache, sp, layout, format,
+                                   per_token ? key_scale->data_ptr<float>() : nullptr,
+                                   per_token ? value_scale->data_ptr<float>() : nullptr, layer.key, layer.value);
+  }
   MINIPAGED_DISPATCH(key.scalar_type(), "reshape_and_cache_cpu", [&] {
     // One token's rows for every kv head; pointers and strides are read once, outside the loop.
     struct Source {
@@ -358,18 +418,30 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   });
 }
 
-void copy_blocks_cpu(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping) {
+void copy_blocks_cpu(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping,
+                     const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_copy_blocks(key_cache, value_cache, block_mapping);
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
   check_copy_ranges(block_mapping, layout);
   const at::Tensor pairs = block_mapping.contiguous();
   const int64_t* p = pairs.const_data_ptr<int64_t>();
   const int64_t bytes = layout.block_elems() * key_cache.element_size();
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
+  // int8: the blocks' scales travel with their bytes (an fp8 layer's scales stay where they are).
+  const bool per_token = format == KVFormat::kInt8;
+  const int64_t scale_bytes = layout.num_kv_heads * layout.block_size * static_cast<int64_t>(sizeof(float));
+  auto* ks = per_token ? static_cast<char*>(key_scale->data_ptr()) : nullptr;
+  auto* vs = per_token ? static_cast<char*>(value_scale->data_ptr()) : nullptr;
   at::parallel_for(0, pairs.size(0), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      std::memcpy(kc + p[2 * i + 1] * bytes, kc + p[2 * i] * bytes, bytes);
-      std::memcpy(vc + p[2 * i + 1] * bytes, vc + p[2 * i] * bytes, bytes);
+      const int64_t src = p[2 * i], dst = p[2 * i + 1];
+      std::memcpy(kc + dst * bytes, kc + src * bytes, bytes);
+      std::memcpy(vc + dst * bytes, vc + src * bytes, bytes);
+      if (per_token) {
+        std::memcpy(ks + dst * scale_bytes, ks + src * scale_bytes, scale_bytes);
+        std::memcpy(vs + dst * scale_bytes, vs + src * scale_bytes, scale_bytes);
+      }
     }
   });
 }

@@ -172,10 +172,12 @@ inline void pair_probabilities(const __m512 (&s)[kLanes], __m512i* p) {
 
 // Keys (or values) [kpos, kpos + n) of one kv head as 16 rows of D elements of C, rows past n
 // zero: the cache rows themselves when they are 16 rows of one block already in C (n = 16 never
-// reaches past the sequence), else a copy, converted to C, in buf.
+// reaches past the sequence), else a copy, converted to C, in buf. An 8-bit cache's rows are
+// dequantized into the copy: times their token's scale (int8: token_scales) or the layer's.
 template <typename C, int D, typename T>
 const C* chunk_rows(const T* cache, int64_t kpos, int64_t n, const CacheLayout& layout, const int32_t* block_table,
-                    int64_t kv_head, C* buf) {
+                    int64_t kv_head, C* buf, [[maybe_unused]] const float* token_scales,
+                    [[maybe_unused]] float layer_scale) {
   const int64_t B = layout.block_size;
   if constexpr (std::is_same_v<C, T>)
     if (n == kLanes && kpos % B + kLanes <= B) return cache + layout.row(block_table[kpos / B], kv_head, kpos % B);
@@ -185,19 +187,26 @@ const C* chunk_rows(const T* cache, int64_t kpos, int64_t n, const CacheLayout& 
       std::memset(static_cast<void*>(dst), 0, D * sizeof(C));
       continue;
     }
-    const T* src = cache + layout.row(block_table[(kpos + t) / B], kv_head, (kpos + t) % B);
-    if constexpr (std::is_same_v<C, T>) std::memcpy(static_cast<void*>(dst), src, D * sizeof(T));
-    else for (int64_t d = 0; d < D; d += kW) store(dst + d, load16(src + d));  // C is float
+    const int64_t row = layout.row(block_table[(kpos + t) / B], kv_head, (kpos + t) % B);
+    const T* src = cache + row;
+    if constexpr (std::is_same_v<C, T>) {
+      std::memcpy(static_cast<void*>(dst), src, D * sizeof(T));
+    } else if constexpr (kQuantized<T>) {
+      const float scale = token_scales != nullptr ? token_scales[row / D] : layer_scale;
+      for (int64_t d = 0; d < D; d += kW) store(dst + d, load16(src + d) * scale);
+    } else {
+      for (int64_t d = 0; d < D; d += kW) store(dst + d, load16(src + d));  // C is float
+    }
   }
   return buf;
 }
 
 // One work item on the lane path (see above); same contract as prefill_work_item.
-template <typename T, int D>
-void prefill_item_lanes(const PrefillItem& item, const T* query, int64_t q_token_stride, int64_t q_head_stride,
+template <typename Q, typename T, int D>
+void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token_stride, int64_t q_head_stride,
                         int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
-                        const CacheLayout& layout, const int32_t* block_table, int64_t group, T* out,
-                        int64_t num_heads, TileScratch& w) {
+                        const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out,
+                        int64_t num_heads, TileScratch& w, const KVScales& kv_scales) {
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
 #else
@@ -224,7 +233,7 @@ void prefill_item_lanes(const PrefillItem& item, const T* query, int64_t q_token
     for (int64_t r = 0; r < kLanes; ++r) {
       const int64_t row = row_of(g, r);
       pos[r] = static_cast<int32_t>(first_pos + row / group);
-      const T* src = query + (q_begin + item.first_token + row / group) * q_token_stride + (h0 + row % group) * q_head_stride;
+      const Q* src = query + (q_begin + item.first_token + row / group) * q_token_stride + (h0 + row % group) * q_head_stride;
       if constexpr (kPairs) {
         uint32_t* qt = reinterpret_cast<uint32_t*>(w.qt.data() + g * kQtVectors);
         for (int64_t i = 0; i < D / 2; ++i) {
@@ -248,8 +257,10 @@ void prefill_item_lanes(const PrefillItem& item, const T* query, int64_t q_token
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t kpos = 0; kpos < end; kpos += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, end - kpos);
-    const C* k = chunk_rows<C, D>(key_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.k.data()));
-    const C* v = chunk_rows<C, D>(value_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.v.data()));
+    const C* k = chunk_rows<C, D>(key_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.k.data()),
+                                  kv_scales.key, kv_scales.key_layer);
+    const C* v = chunk_rows<C, D>(value_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.v.data()),
+                                  kv_scales.value, kv_scales.value_layer);
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) pair_rows<D>(v, reinterpret_cast<uint32_t*>(w.v_pairs.data()));
 #endif
@@ -323,24 +334,24 @@ void prefill_item_lanes(const PrefillItem& item, const T* query, int64_t q_token
     const float* ot = reinterpret_cast<const float*>(w.ot.data() + g * D);
     for (int64_t r = 0; r < kLanes && g * kLanes + r < rows; ++r) {
       const int64_t row = g * kLanes + r;
-      T* dst = out + ((q_begin + item.first_token + row / group) * num_heads + h0 + row % group) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ot[d * kLanes + r] * inv[r]);
+      Q* dst = out + ((q_begin + item.first_token + row / group) * num_heads + h0 + row % group) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(ot[d * kLanes + r] * inv[r]);
     }
   }
 }
 
 // The lane path for this item, if it has one (head_dim 64, 128 or 256, and enough rows to fill
 // the lanes); false: the caller takes the generic path.
-template <typename T>
-bool prefill_lanes(const PrefillItem& item, const T* query, int64_t q_token_stride, int64_t q_head_stride,
+template <typename Q, typename T>
+bool prefill_lanes(const PrefillItem& item, const Q* query, int64_t q_token_stride, int64_t q_head_stride,
                    int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
-                   const CacheLayout& layout, const int32_t* block_table, int64_t group, T* out, int64_t num_heads,
-                   TileScratch& w) {
+                   const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out, int64_t num_heads,
+                   TileScratch& w, const KVScales& kv_scales) {
   if (item.num_tokens * group < kLanes) return false;
   auto run = [&](auto head_dim) {
-    prefill_item_lanes<T, decltype(head_dim)::value>(item, query, q_token_stride, q_head_stride, q_begin, context,
-                                                     scale, key_cache, value_cache, layout, block_table, group, out,
-                                                     num_heads, w);
+    prefill_item_lanes<Q, T, decltype(head_dim)::value>(item, query, q_token_stride, q_head_stride, q_begin, context,
+                                                        scale, key_cache, value_cache, layout, block_table, group,
+                                                        out, num_heads, w, kv_scales);
     return true;
   };
   switch (layout.head_dim) {
@@ -352,16 +363,21 @@ bool prefill_lanes(const PrefillItem& item, const T* query, int64_t q_token_stri
 }
 #endif
 
-template <typename T>
-void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_stride, int64_t q_head_stride,
+// Q: the query's (and output's) type; T: the cache's (Q, or an 8-bit format with Q float: an
+// 8-bit cache's query is converted to float beforehand, so its kernels are compiled once). On the
+// generic path an fp8 layer's K scale is folded into the query and its V scale into the output;
+// int8's per-token scales multiply each block's scores and probabilities.
+template <typename Q, typename T>
+void prefill_work_item(const PrefillItem& item, const Q* query, int64_t q_token_stride, int64_t q_head_stride,
                        int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
-                       const CacheLayout& layout, const int32_t* block_table, int64_t group, T* out,
-                       int64_t num_heads, TileScratch& w) {
+                       const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out,
+                       int64_t num_heads, TileScratch& w, const KVScales& kv_scales) {
 #if defined(__AVX512F__)
   if (prefill_lanes(item, query, q_token_stride, q_head_stride, q_begin, context, scale, key_cache, value_cache,
-                    layout, block_table, group, out, num_heads, w))
+                    layout, block_table, group, out, num_heads, w, kv_scales))
     return;
 #endif
+  constexpr bool kPerTokenScales = std::is_same_v<T, int8_t>;
   const int64_t D = layout.head_dim, B = layout.block_size;
   const int64_t rows = item.num_tokens * group, h0 = item.kv_head * group;
 #if defined(__AVX512BF16__)
@@ -376,8 +392,8 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
   w.acc.assign(rows * D, 0.f);
   if (bf16_dot) w.q_bf16.resize(rows * D);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = query + (q_begin + item.first_token + r / group) * q_token_stride + (h0 + r % group) * q_head_stride;
-    for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
+    const Q* src = query + (q_begin + item.first_token + r / group) * q_token_stride + (h0 + r % group) * q_head_stride;
+    for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = static_cast<float>(src[d]) * (scale * kv_scales.key_layer);
     if (bf16_dot) std::memcpy(w.q_bf16.data() + r * D, src, D * sizeof(T));  // same type: T is bfloat16
   }
   float* scores = w.scores.data();
@@ -412,9 +428,13 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
         tile.scores(w.q.data() + r0 * D, k, n, D, scores + r0 * B, B, next_k);
       });
       for (int64_t r = r0; r < r0 + gt; ++r) {
+        if constexpr (kPerTokenScales)
+          for (int64_t t = 0; t < n; ++t) scores[r * B + t] *= kv_scales.key[row / D + t];
         const int64_t visible = first_pos + r / group - pos + 1;  // keys of this block row r sees
         for (int64_t t = std::max<int64_t>(visible, 0); t < n; ++t) scores[r * B + t] = kNegInf;
         softmax_update(scores + r * B, n, w.max_score[r], w.exp_sum[r], acc + r * D, D);
+        if constexpr (kPerTokenScales)
+          for (int64_t t = 0; t < n; ++t) scores[r * B + t] *= kv_scales.value[row / D + t];
       }
       with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
@@ -429,18 +449,23 @@ void prefill_work_item(const PrefillItem& item, const T* query, int64_t q_token_
   for (int64_t r = 0; r < rows; ++r) {
     float* a = acc + r * D;
     if (bf16_dot) from_unpack_order(a, D);
-    const float inv = 1.f / hsum(w.exp_sum[r]);
-    T* dst = out + ((q_begin + item.first_token + r / group) * num_heads + h0 + r % group) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
+    const float inv = kv_scales.value_layer / hsum(w.exp_sum[r]);
+    Q* dst = out + ((q_begin + item.first_token + r / group) * num_heads + h0 + r % group) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(a[d] * inv);
   }
 }
 
 at::Tensor paged_attention_prefill_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
-                                       std::optional<int64_t> max_query_len) {
+                                       std::optional<int64_t> max_query_len, const std::optional<at::Tensor>& key_scale,
+                                       const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout =
       check_paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens);
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
+  const LayerScales layer = check_layer_scale_values(format, key_scale, value_scale);
+  KVScales kv_scales{nullptr, nullptr, raw_scale(format, layer.key), raw_scale(format, layer.value)};
+  if (format == KVFormat::kInt8) kv_scales.key = key_scale->const_data_ptr<float>(), kv_scales.value = value_scale->const_data_ptr<float>();
   const int64_t longest = check_prefill_ranges(block_tables, cu_seqlens_q, seq_lens, query.size(0), layout);
   if (max_query_len.has_value())
     TORCH_CHECK_VALUE(longest <= *max_query_len, "max_query_len: ", *max_query_len,
@@ -449,9 +474,12 @@ at::Tensor paged_attention_prefill_cpu(const at::Tensor& query, const at::Tensor
   const int32_t* lens_ptr = lens.const_data_ptr<int32_t>();
   const int32_t* cu_ptr = cu.const_data_ptr<int32_t>();
   const int64_t num_heads = query.size(1), D = layout.head_dim, group = num_heads / layout.num_kv_heads;
-  at::Tensor out = at::empty({query.size(0), num_heads, D}, query.options());
+  // An 8-bit cache's kernels take a float query and give a float output (converted back at the end).
+  const at::ScalarType compute_dtype = format == KVFormat::kNone ? query.scalar_type() : at::kFloat;
+  at::Tensor out = at::empty({query.size(0), num_heads, D}, query.options().dtype(compute_dtype));
   // The query is read row by row in place (any strides) unless its head_dim is strided.
-  const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
+  const at::Tensor q = query.stride(2) == 1 && query.scalar_type() == compute_dtype ? query
+                                                                                    : query.to(compute_dtype).contiguous();
 
   // Tiles of whole tokens with all heads of a group; the most expensive (latest, longest
   // context) first, so that the cheap ones fill the gaps at the end.
@@ -466,11 +494,14 @@ at::Tensor paged_attention_prefill_cpu(const at::Tensor& query, const at::Tensor
   }
   std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.cost > b.cost; });
 
-  MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_prefill_cpu", [&] {
-    const scalar_t* kc = key_cache.const_data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.const_data_ptr<scalar_t>();
-    const scalar_t* qp = q.const_data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+  // Runs every work item with query type Q and cache type T.
+  auto run = [&](auto* query_type, auto* cache_type) {
+    using Q = std::remove_pointer_t<decltype(query_type)>;
+    using T = std::remove_pointer_t<decltype(cache_type)>;
+    const T* kc = static_cast<const T*>(key_cache.const_data_ptr());
+    const T* vc = static_cast<const T*>(value_cache.const_data_ptr());
+    const Q* qp = static_cast<const Q*>(q.const_data_ptr());
+    Q* op = static_cast<Q*>(out.data_ptr());
     const int64_t num_items = static_cast<int64_t>(items.size());
     std::atomic<int64_t> next_item{0};
     at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -478,14 +509,22 @@ at::Tensor paged_attention_prefill_cpu(const at::Tensor& query, const at::Tensor
       for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
         const PrefillItem& item = items[i];
         const int64_t new_tokens = cu_ptr[item.seq + 1] - cu_ptr[item.seq];
-        prefill_work_item<scalar_t>(item, qp, q.stride(0), q.stride(1), cu_ptr[item.seq],
-                                    lens_ptr[item.seq] - new_tokens, static_cast<float>(scale), kc, vc, layout,
-                                    tables.const_data_ptr<int32_t>() + item.seq * tables.size(1), group, op,
-                                    num_heads, scratch);
+        prefill_work_item<Q, T>(item, qp, q.stride(0), q.stride(1), cu_ptr[item.seq], lens_ptr[item.seq] - new_tokens,
+                                static_cast<float>(scale), kc, vc, layout,
+                                tables.const_data_ptr<int32_t>() + item.seq * tables.size(1), group, op, num_heads,
+                                scratch, kv_scales);
       }
     });
-  });
-  return out;
+  };
+  switch (format) {
+    case KVFormat::kInt8: run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr)); break;
+    case KVFormat::kFp8E4M3: run(static_cast<float*>(nullptr), static_cast<fp8_e4m3*>(nullptr)); break;
+    case KVFormat::kFp8E5M2: run(static_cast<float*>(nullptr), static_cast<fp8_e5m2*>(nullptr)); break;
+    case KVFormat::kNone:
+      MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_prefill_cpu",
+                         [&] { run(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr)); });
+  }
+  return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
 }
 
 }  // namespace

@@ -20,6 +20,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "quant.h"
+
 namespace minipaged {
 namespace {
 
@@ -119,6 +121,57 @@ inline f32x16 load16(const c10::Half* p) {
   return __builtin_convertvector(*reinterpret_cast<const f16x16*>(p), f32x16);
 #endif
 }
+
+// ---- 8-bit caches (quant.h): 16 elements as floats in a few instructions, before their scale.
+// int8 widens in one instruction (and converts in another); an fp8 byte becomes a float16's bits
+// (e5m2: its top byte; e4m3: its value x 2^-8, kRawFactor) and converts like float16. The kernels
+// apply the scales outside these loops: fp8's per-layer scale / kRawFactor (raw_scale) folded into
+// the query and the output, int8's per-token scales into the scores and probabilities.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
+
+using i8x16 = int8_t __attribute__((vector_size(16), aligned(1)));
+using u8x16 = uint8_t __attribute__((vector_size(16), aligned(1)));
+using i16x16 = int16_t __attribute__((vector_size(32), aligned(2)));
+
+inline f32x16 half_bits_to_float(u16x16 bits) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(reinterpret_cast<const __m256i&>(bits));
+  return reinterpret_cast<const f32x16&>(v);
+#elif defined(__F16C__)
+  const __m256i all = reinterpret_cast<const __m256i&>(bits);
+  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(all));
+  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(all, 1));
+  f32x16 out;
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+#else
+  return __builtin_convertvector(reinterpret_cast<const f16x16&>(bits), f32x16);
+#endif
+}
+inline f32x16 load16(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), f32x16); }
+inline f32x16 load16(const fp8_e5m2* p) {
+  return half_bits_to_float(__builtin_convertvector(*reinterpret_cast<const u8x16*>(p), u16x16) << 8);
+}
+inline f32x16 load16(const fp8_e4m3* p) {
+  // Sign-extended and shifted by 7: the sign lands in bits 15 and 14, exponent and mantissa below;
+  // clearing bit 14 leaves e4m3_half_bits.
+  const i16x16 wide = __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), i16x16) << 7;
+  return half_bits_to_float(reinterpret_cast<const u16x16&>(wide) & static_cast<uint16_t>(0xBFFF));
+}
+// An 8-bit cache's scales as the kernels apply them.
+struct KVScales {
+  const float* key = nullptr;  // int8: one per token and kv head, at (cache row offset) / head_dim
+  const float* value = nullptr;
+  float key_layer = 1.f, value_layer = 1.f;  // fp8: raw_scale of the layer's scales; 1 otherwise
+};
+
+// One element as load16 gives it (the tails of rows whose length is not a multiple of 16).
+template <typename T>
+inline float element_value(T x) { return static_cast<float>(x); }
+inline float element_value(fp8_e5m2 x) { return static_cast<float>(c10::Half(e5m2_half_bits(x.bits), c10::Half::from_bits())); }
+inline float element_value(fp8_e4m3 x) { return static_cast<float>(c10::Half(e4m3_half_bits(x.bits), c10::Half::from_bits())); }
 
 // A 32-float chunk accumulated by HeadTile::accumulate_bf16 holds, in its first 16 floats,
 // elements 8L + j and in its last 16, elements 8L + 4 + j (at 4L + j, for L, j < 4): the
@@ -241,7 +294,7 @@ struct HeadTile {
       }
       store_token(acc, 1.f, scores, stride, t);
       for (int64_t d = Dv; d < D; ++d)  // head_dim not a multiple of 16
-        for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * static_cast<float>(kt[d]);
+        for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * element_value(kt[d]);
     }
   }
   // Tiles too big to keep the query in registers: four tokens (rows of k) against H <= 4 query
@@ -457,7 +510,7 @@ struct HeadTile {
     pf.upto(pf.rows);
     for (; d < D; ++d)
       for (int64_t t = 0; t < n; ++t)
-        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * static_cast<float>(v[t * D + d]);
+        for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * element_value(v[t * D + d]);
   }
   template <int P, typename T>
   static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,

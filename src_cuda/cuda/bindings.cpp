@@ -21,12 +21,25 @@ cuda::DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return cuda::DType::kFloat;
     case at::kHalf: return cuda::DType::kHalf;
-    default: return cuda::DType::kBFloat16;  // check_cache_pair admitted only these three
+    default: return cuda::DType::kBFloat16;  // callers pass only float32, float16 or bfloat16 tensors
   }
 }
 
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+// An 8-bit cache's checks beyond the metadata: its fp8 layer scales finite and > 0, read from the
+// device only under MINIPAGED_VALIDATE=1 (a sync). Returns the format.
+KVFormat check_quantized(const at::Tensor& key_cache, const CacheLayout& layout,
+                         const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
+  if (validate_device_data()) check_layer_scale_values(format, key_scale, value_scale);
+  return format;
+}
+
+const float* scale_ptr(const std::optional<at::Tensor>& scale) {
+  return scale.has_value() ? scale->data_ptr<float>() : nullptr;
 }
 
 int sm_count(int device) {
@@ -41,8 +54,10 @@ int sm_count(int device) {
 at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                                        const at::Tensor& seq_lens, double scale,
-                                       std::optional<int64_t> max_seq_len) {
+                                       std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& key_scale,
+                                       const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens);
+  const KVFormat format = check_quantized(key_cache, layout, key_scale, value_scale);
   TORCH_CHECK_VALUE(cuda::decode_supports_head_dim(layout.head_dim),
                     "key_cache: head_dim ", layout.head_dim, " is not supported by the CUDA decode kernel "
                     "(supported: 64, 128, 256)");
@@ -60,8 +75,10 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
 
   const c10::cuda::CUDAGuard guard(query.device());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), width = block_tables.size(1);
-  at::Tensor out = at::empty({num_seqs, num_heads, layout.head_dim}, query.options());
-  if (num_seqs == 0) return out;
+  // An 8-bit cache's kernels take a float query and give a float output (converted back below).
+  const at::Tensor q = format == KVFormat::kNone ? query : query.to(at::kFloat);
+  at::Tensor out = at::empty({num_seqs, num_heads, layout.head_dim}, q.options());
+  if (num_seqs == 0) return out.to(query.scalar_type());
 
   // The grid is sized from shapes only (seq_lens stays on the device): the longest sequence is
   // bounded by what the block table addresses, or by the caller's max_seq_len hint.
@@ -74,13 +91,16 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
 
   cuda::DecodeArgs args{};
   args.out = out.data_ptr();
-  args.query = query.data_ptr();
-  args.query_seq_stride = query.stride(0);
-  args.query_head_stride = query.stride(1);
+  args.query = q.data_ptr();
+  args.query_seq_stride = q.stride(0);
+  args.query_head_stride = q.stride(1);
   args.key_cache = key_cache.data_ptr();
   args.value_cache = value_cache.data_ptr();
   args.block_tables = tables.data_ptr<int32_t>();
   args.seq_lens = lens.data_ptr<int32_t>();
+  args.format = format;
+  args.key_scale = scale_ptr(key_scale);
+  args.value_scale = scale_ptr(value_scale);
   args.layout = layout;
   args.max_blocks_per_seq = width;
   args.seq_len_bound = bound;
@@ -98,16 +118,36 @@ at::Tensor paged_attention_decode_cuda(const at::Tensor& query, const at::Tensor
     args.partial_max = partial_stats[0].data_ptr<float>();
     args.partial_sum = partial_stats[1].data_ptr<float>();
   }
-  check_launch(cuda::launch_paged_attention_decode(args, dtype_of(query), c10::cuda::getCurrentCUDAStream()),
+  check_launch(cuda::launch_paged_attention_decode(args, dtype_of(q), c10::cuda::getCurrentCUDAStream()),
                "paged_attention_decode");
-  return out;
+  return out.to(query.scalar_type());
 }
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  const KVFormat format = check_quantized(key_cache, layout, key_scale, value_scale);
   if (validate_device_data()) check_slot_range(slot_mapping, layout);
   const c10::cuda::CUDAGuard guard(key.device());
+  if (format != KVFormat::kNone) {
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    cuda::QuantizeArgs args{};
+    args.key = key.data_ptr();
+    args.value = value.data_ptr();
+    for (int i = 0; i < 3; ++i) args.key_strides[i] = key.stride(i), args.value_strides[i] = value.stride(i);
+    args.key_cache = key_cache.data_ptr();
+    args.value_cache = value_cache.data_ptr();
+    args.key_scale = key_scale->data_ptr<float>();
+    args.value_scale = value_scale->data_ptr<float>();
+    args.slot_mapping = slots.data_ptr<int64_t>();
+    args.num_tokens = key.size(0);
+    args.layout = layout;
+    args.format = format;
+    check_launch(cuda::launch_quantize_and_cache(args, dtype_of(key), c10::cuda::getCurrentCUDAStream()),
+                 "reshape_and_cache");
+    return;
+  }
   const at::Tensor slots = slot_mapping.contiguous();
   check_launch(cuda::launch_reshape_and_cache(
                    key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), key.stride(2), value.stride(0),
@@ -117,8 +157,10 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                "reshape_and_cache");
 }
 
-void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping) {
+void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping,
+                      const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout = check_copy_blocks(key_cache, value_cache, block_mapping);
+  const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
   if (validate_device_data()) check_copy_ranges(block_mapping, layout);
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const at::Tensor pairs = block_mapping.contiguous();
@@ -126,6 +168,11 @@ void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::
                                         pairs.size(0), layout.block_elems() * key_cache.element_size(),
                                         layout.num_blocks, c10::cuda::getCurrentCUDAStream()),
                "copy_blocks");
+  if (format == KVFormat::kInt8)  // the blocks' scales travel with them (an fp8 layer's stay)
+    check_launch(cuda::launch_copy_blocks(key_scale->data_ptr(), value_scale->data_ptr(), pairs.data_ptr<int64_t>(),
+                                          pairs.size(0), layout.num_kv_heads * layout.block_size * sizeof(float),
+                                          layout.num_blocks, c10::cuda::getCurrentCUDAStream()),
+                 "copy_blocks");
 }
 
 // ---- paged_attention_prefill (kernel in cuda/prefill.cu)
@@ -133,9 +180,12 @@ void copy_blocks_cuda(at::Tensor& key_cache, at::Tensor& value_cache, const at::
 at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                         const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
-                                        std::optional<int64_t> max_query_len) {
+                                        std::optional<int64_t> max_query_len,
+                                        const std::optional<at::Tensor>& key_scale,
+                                        const std::optional<at::Tensor>& value_scale) {
   const CacheLayout layout =
       check_paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens);
+  const KVFormat format = check_quantized(key_cache, layout, key_scale, value_scale);
   TORCH_CHECK_VALUE(cuda::decode_supports_head_dim(layout.head_dim), "key_cache: head_dim ", layout.head_dim,
                     " is not supported by the CUDA prefill kernel (supported: 64, 128, 256)");
   TORCH_CHECK_VALUE(query.stride(2) == 1, "query: expected the last dimension to be contiguous, got strides ",
@@ -154,8 +204,10 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
   }
 
   const c10::cuda::CUDAGuard guard(query.device());
-  at::Tensor out = at::empty({total_q, query.size(1), layout.head_dim}, query.options());
-  if (total_q == 0 || num_seqs == 0) return out;
+  // An 8-bit cache's kernels take a float query and give a float output (converted back below).
+  const at::Tensor q = format == KVFormat::kNone ? query : query.to(at::kFloat);
+  at::Tensor out = at::empty({total_q, query.size(1), layout.head_dim}, q.options());
+  if (total_q == 0 || num_seqs == 0) return out.to(query.scalar_type());
   const int64_t group = query.size(1) / layout.num_kv_heads;
   const int64_t q_bound = std::min(total_q, max_query_len.value_or(total_q));
   const cuda::PrefillPlan plan = cuda::prefill_plan(q_bound, group, num_seqs, layout.num_kv_heads,
@@ -166,9 +218,12 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
 
   cuda::PrefillArgs args{};
   args.out = out.data_ptr();
-  args.query = query.data_ptr();
-  args.query_token_stride = query.stride(0);
-  args.query_head_stride = query.stride(1);
+  args.query = q.data_ptr();
+  args.query_token_stride = q.stride(0);
+  args.query_head_stride = q.stride(1);
+  args.format = format;
+  args.key_scale = scale_ptr(key_scale);
+  args.value_scale = scale_ptr(value_scale);
   args.key_cache = key_cache.data_ptr();
   args.value_cache = value_cache.data_ptr();
   args.block_tables = tables.data_ptr<int32_t>();
@@ -192,9 +247,9 @@ at::Tensor paged_attention_prefill_cuda(const at::Tensor& query, const at::Tenso
     args.partial_max = partial_stats[0].data_ptr<float>();
     args.partial_sum = partial_stats[1].data_ptr<float>();
   }
-  check_launch(cuda::launch_paged_attention_prefill(args, dtype_of(query), c10::cuda::getCurrentCUDAStream()),
+  check_launch(cuda::launch_paged_attention_prefill(args, dtype_of(q), c10::cuda::getCurrentCUDAStream()),
                "paged_attention_prefill");
-  return out;
+  return out.to(query.scalar_type());
 }
 
 }  // namespace

@@ -15,8 +15,10 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <type_traits>
 
 #include "cuda/launch.h"
+#include "quant.h"
 
 namespace minipaged::cuda {
 namespace {
@@ -65,6 +67,37 @@ template <> struct Vec<__nv_bfloat16> {
   }
   __device__ static float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
   __device__ static __nv_bfloat16 store1(float x) { return __float2bfloat16(x); }
+};
+// 8-bit caches (quant.h): 16 elements per 16 bytes, converted before their scale is applied (fp8
+// as float16 bits: e5m2 its top byte, e4m3 its value x 2^-8, folded into raw_scale).
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+template <> struct Vec<int8_t> {
+  static constexpr int kSize = 16;
+  __device__ static void to_float(const uint4& raw, float* out) {
+    const int8_t* b = reinterpret_cast<const int8_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(b[i]);
+  }
+};
+template <> struct Vec<fp8_e5m2> {
+  static constexpr int kSize = 16;
+  __device__ static void to_float(const uint4& raw, float* out) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = half_bits_to_float(e5m2_half_bits(b[i]));
+  }
+};
+template <> struct Vec<fp8_e4m3> {
+  static constexpr int kSize = 16;
+  __device__ static void to_float(const uint4& raw, float* out) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = half_bits_to_float(e4m3_half_bits(b[i]));
+  }
 };
 
 // How one K/V row of HEAD_DIM elements is spread over the lanes of a warp.
@@ -119,10 +152,15 @@ __device__ __forceinline__ int clamped_seq_len(const DecodeArgs& a, int seq) {
   return static_cast<int>(len < a.seq_len_bound ? len : a.seq_len_bound);
 }
 
-template <typename T, int HEAD_DIM, int G>
+// Q: the query's (and output's) type; T: the cache's, Q itself or an 8-bit format (then Q is
+// float: the bindings convert). fp8's layer scales are read from the device: K's is folded into
+// the query, V's into the result; int8's per-token scales multiply each score and probability.
+template <typename Q, typename T, int HEAD_DIM, int G>
 __global__ void __launch_bounds__(kThreads)
 decode_kernel(const DecodeArgs a) {
   using R = RowSplit<T, HEAD_DIM>;
+  constexpr bool kPerTokenScales = std::is_same_v<T, int8_t>;
+  constexpr bool kLayerScales = std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
   extern __shared__ float smem[];
   float* scores = smem;                    // [G][kChunk]
   float* out_acc = scores + G * kChunk;    // [G][HEAD_DIM]
@@ -141,12 +179,14 @@ decode_kernel(const DecodeArgs a) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int token_in_warp = lane / R::kLanesPerToken, lane_in_token = lane % R::kLanesPerToken;
-  const T* query = static_cast<const T*>(a.query);
+  const Q* query = static_cast<const Q*>(a.query);
   const T* key_cache = static_cast<const T*>(a.key_cache);
   const T* value_cache = static_cast<const T*>(a.value_cache);
   const int32_t* block_table = a.block_tables + seq * a.max_blocks_per_seq;
   const int64_t B = a.layout.block_size;
 
+  float q_scale = a.scale;
+  if constexpr (kLayerScales) q_scale *= raw_scale(a.format, *a.key_scale);
   float q[G][R::kElemsPerLane];
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -154,8 +194,8 @@ decode_kernel(const DecodeArgs a) {
     for (int v = 0; v < R::kVecsPerLane; ++v)
 #pragma unroll
       for (int i = 0; i < R::kVec; ++i) {
-        const T* qp = query + seq * a.query_seq_stride + min(head0 + g, head0 + heads - 1) * a.query_head_stride;
-        q[g][v * R::kVec + i] = Vec<T>::load1(qp + R::elem(v, lane_in_token) + i) * a.scale;
+        const Q* qp = query + seq * a.query_seq_stride + min(head0 + g, head0 + heads - 1) * a.query_head_stride;
+        q[g][v * R::kVec + i] = Vec<Q>::load1(qp + R::elem(v, lane_in_token) + i) * q_scale;
       }
 
   float acc[G][R::kElemsPerLane] = {};
@@ -170,14 +210,17 @@ decode_kernel(const DecodeArgs a) {
   };
 
   // This lane's 16-byte pieces of the rows of kUnroll tokens, all loads issued before any use;
-  // live[u] is false (and the data zero) past the chunk or for an out-of-range block.
+  // live[u] is false (and the data zero) past the chunk or for an out-of-range block. scale[u]:
+  // the token's int8 scale in `scales` (1 otherwise, or when not live).
   auto load_rows = [&](const T* cache, int base, int chunk_end, uint4(&raw)[kUnroll][R::kVecsPerLane],
-                       bool(&live)[kUnroll]) {
+                       bool(&live)[kUnroll], const float* scales, float(&scale)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int t = base + u * R::kTokensPerPass + token_in_warp;
       const int64_t row = t < chunk_end ? row_of(t) : -1;
       live[u] = row >= 0;
+      scale[u] = 1.f;
+      if constexpr (kPerTokenScales) if (live[u]) scale[u] = scales[row / HEAD_DIM];
 #pragma unroll
       for (int v = 0; v < R::kVecsPerLane; ++v)
         raw[u][v] = live[u] ? *reinterpret_cast<const uint4*>(cache + row + R::elem(v, lane_in_token))
@@ -191,7 +234,8 @@ decode_kernel(const DecodeArgs a) {
     for (int base = chunk + warp * R::kTokensPerWarp; base < chunk_end; base += R::kTokensPerPass * kUnroll) {
       uint4 raw[kUnroll][R::kVecsPerLane];
       bool live[kUnroll];
-      load_rows(key_cache, base, chunk_end, raw, live);
+      float scale[kUnroll];
+      load_rows(key_cache, base, chunk_end, raw, live, a.key_scale, scale);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float k[R::kElemsPerLane];
@@ -203,7 +247,7 @@ decode_kernel(const DecodeArgs a) {
           float s = 0.f;
 #pragma unroll
           for (int i = 0; i < R::kElemsPerLane; ++i) s += q[g][i] * k[i];
-          s = sum_over_lanes<R::kLanesPerToken>(s);
+          s = sum_over_lanes<R::kLanesPerToken>(s) * scale[u];
           if (lane_in_token == 0 && t < chunk_end) scores[g * kChunk + (t - chunk)] = live[u] ? s : -INFINITY;
         }
       }
@@ -241,7 +285,8 @@ decode_kernel(const DecodeArgs a) {
     for (int base = chunk + warp * R::kTokensPerWarp; base < chunk_end; base += R::kTokensPerPass * kUnroll) {
       uint4 raw[kUnroll][R::kVecsPerLane];
       bool live[kUnroll];
-      load_rows(value_cache, base, chunk_end, raw, live);
+      float scale[kUnroll];
+      load_rows(value_cache, base, chunk_end, raw, live, a.value_scale, scale);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (!live[u]) continue;
@@ -251,7 +296,7 @@ decode_kernel(const DecodeArgs a) {
         for (int v = 0; v < R::kVecsPerLane; ++v) Vec<T>::to_float(raw[u][v], val + v * R::kVec);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          const float p = scores[g * kChunk + (t - chunk)];
+          const float p = scores[g * kChunk + (t - chunk)] * scale[u];
 #pragma unroll
           for (int i = 0; i < R::kElemsPerLane; ++i) acc[g][i] += p * val[i];
         }
@@ -260,6 +305,13 @@ decode_kernel(const DecodeArgs a) {
     __syncthreads();  // `scores` is rewritten by the next chunk
   }
 
+  if constexpr (kLayerScales) {
+    const float v_scale = raw_scale(a.format, *a.value_scale);
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int i = 0; i < R::kElemsPerLane; ++i) acc[g][i] *= v_scale;
+  }
   // Sum the accumulators of the tokens a warp held side by side, then across warps.
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -296,7 +348,7 @@ decode_kernel(const DecodeArgs a) {
       const float x = out_acc[g * HEAD_DIM + d];
       if (a.num_partitions == 1) {
         const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-        static_cast<T*>(a.out)[sh * HEAD_DIM + d] = Vec<T>::store1(x * inv);
+        static_cast<Q*>(a.out)[sh * HEAD_DIM + d] = Vec<Q>::store1(x * inv);
       } else {
         const int64_t sp = sh * a.num_partitions + part;
         a.partial_out[sp * HEAD_DIM + d] = x;
@@ -328,35 +380,35 @@ merge_partitions_kernel(const DecodeArgs a) {
   }
 }
 
-template <typename T, int HEAD_DIM, int G>
+template <typename Q, typename T, int HEAD_DIM, int G>
 cudaError_t launch_decode_tile(const DecodeArgs& a, cudaStream_t stream) {
   const int group = a.num_heads / static_cast<int>(a.layout.num_kv_heads);
   const dim3 grid(a.num_seqs, static_cast<unsigned>(a.layout.num_kv_heads * ((group + G - 1) / G)),
                   a.num_partitions);
   const size_t smem = sizeof(float) * (G * kChunk + G * HEAD_DIM + kWarps * G);
-  decode_kernel<T, HEAD_DIM, G><<<grid, kThreads, smem, stream>>>(a);
+  decode_kernel<Q, T, HEAD_DIM, G><<<grid, kThreads, smem, stream>>>(a);
   if (a.num_partitions > 1)
-    merge_partitions_kernel<T, HEAD_DIM><<<dim3(a.num_seqs, a.num_heads), kThreads, 0, stream>>>(a);
+    merge_partitions_kernel<Q, HEAD_DIM><<<dim3(a.num_seqs, a.num_heads), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 // The head tile is the GQA group rounded up to a power of two, at most 8; larger groups are
 // split over several thread blocks.
-template <typename T, int HEAD_DIM>
+template <typename Q, typename T, int HEAD_DIM>
 cudaError_t launch_decode_head_dim(const DecodeArgs& a, cudaStream_t stream) {
   const int group = a.num_heads / static_cast<int>(a.layout.num_kv_heads);
-  if (group <= 1) return launch_decode_tile<T, HEAD_DIM, 1>(a, stream);
-  if (group <= 2) return launch_decode_tile<T, HEAD_DIM, 2>(a, stream);
-  if (group <= 4) return launch_decode_tile<T, HEAD_DIM, 4>(a, stream);
-  return launch_decode_tile<T, HEAD_DIM, 8>(a, stream);
+  if (group <= 1) return launch_decode_tile<Q, T, HEAD_DIM, 1>(a, stream);
+  if (group <= 2) return launch_decode_tile<Q, T, HEAD_DIM, 2>(a, stream);
+  if (group <= 4) return launch_decode_tile<Q, T, HEAD_DIM, 4>(a, stream);
+  return launch_decode_tile<Q, T, HEAD_DIM, 8>(a, stream);
 }
 
-template <typename T>
+template <typename Q, typename T = Q>
 cudaError_t launch_decode_dtype(const DecodeArgs& a, cudaStream_t stream) {
   switch (a.layout.head_dim) {
-    case 64: return launch_decode_head_dim<T, 64>(a, stream);
-    case 128: return launch_decode_head_dim<T, 128>(a, stream);
-    case 256: return launch_decode_head_dim<T, 256>(a, stream);
+    case 64: return launch_decode_head_dim<Q, T, 64>(a, stream);
+    case 128: return launch_decode_head_dim<Q, T, 128>(a, stream);
+    case 256: return launch_decode_head_dim<Q, T, 256>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -397,6 +449,66 @@ cudaError_t launch_reshape_typed(const void* key, const void* value, int64_t ks0
   return cudaGetLastError();
 }
 
+// ---- reshape_and_cache into an 8-bit cache: one thread block per token, one warp per (K or V,
+// kv head) row at a time; int8 reduces the row's absolute maximum over the warp first.
+template <typename S, typename T>
+__global__ void quantize_and_cache_kernel(const QuantizeArgs a, const S* key, const S* value, T* key_cache,
+                                          T* value_cache) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = a.slot_mapping[token];
+  if (!a.layout.valid_slot(slot)) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  for (int64_t pair = warp; pair < 2 * H; pair += warps) {  // the same for every lane of a warp
+    const bool is_key = pair < H;
+    const int64_t h = pair % H;
+    const S* from = is_key ? key + token * a.key_strides[0] + h * a.key_strides[1]
+                           : value + token * a.value_strides[0] + h * a.value_strides[1];
+    const int64_t dim_stride = is_key ? a.key_strides[2] : a.value_strides[2];
+    T* to = (is_key ? key_cache : value_cache) + a.layout.slot_row(slot, h);
+    float inv_scale;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      float amax = 0.f;
+      for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(Vec<S>::load1(from + d * dim_stride)));
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      inv_scale = amax > 0.f ? fminf(kInt8Max / amax, FLT_MAX) : 0.f;
+      if (lane == 0) (is_key ? a.key_scale : a.value_scale)[a.layout.slot_row(slot, h) / D] = amax / kInt8Max;
+    } else {
+      inv_scale = 1.f / *(is_key ? a.key_scale : a.value_scale);
+    }
+    for (int64_t d = lane; d < D; d += 32) {
+      const float x = Vec<S>::load1(from + d * dim_stride);
+      if constexpr (std::is_same_v<T, int8_t>) to[d] = quantize_int8(x, inv_scale);
+      else if constexpr (std::is_same_v<T, fp8_e4m3>) to[d] = quantize_e4m3(x, inv_scale);
+      else to[d] = quantize_e5m2(x, inv_scale);
+    }
+  }
+}
+
+template <typename S>
+cudaError_t launch_quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
+  const auto* key = static_cast<const S*>(a.key);
+  const auto* value = static_cast<const S*>(a.value);
+  constexpr int kQuantizeThreads = 128;
+  switch (a.format) {
+    case KVFormat::kInt8:
+      quantize_and_cache_kernel<S, int8_t><<<a.num_tokens, kQuantizeThreads, 0, stream>>>(
+          a, key, value, static_cast<int8_t*>(a.key_cache), static_cast<int8_t*>(a.value_cache));
+      break;
+    case KVFormat::kFp8E4M3:
+      quantize_and_cache_kernel<S, fp8_e4m3><<<a.num_tokens, kQuantizeThreads, 0, stream>>>(
+          a, key, value, static_cast<fp8_e4m3*>(a.key_cache), static_cast<fp8_e4m3*>(a.value_cache));
+      break;
+    case KVFormat::kFp8E5M2:
+      quantize_and_cache_kernel<S, fp8_e5m2><<<a.num_tokens, kQuantizeThreads, 0, stream>>>(
+          a, key, value, static_cast<fp8_e5m2*>(a.key_cache), static_cast<fp8_e5m2*>(a.value_cache));
+      break;
+    case KVFormat::kNone: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 // ---- copy_blocks: blockIdx.x picks the pair, blockIdx.y the cache (key or value).
 __global__ void copy_blocks_kernel(char* key_cache, char* value_cache, const int64_t* block_mapping,
                                    int64_t block_bytes, int64_t num_blocks) {
@@ -428,6 +540,13 @@ int decode_partition_tokens(int64_t num_seqs, int64_t num_kv_heads, int64_t grou
 }
 
 cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream) {
+  // An 8-bit cache's query and output are float (the bindings convert).
+  switch (args.format) {
+    case KVFormat::kInt8: return dtype == DType::kFloat ? launch_decode_dtype<float, int8_t>(args, stream) : cudaErrorInvalidValue;
+    case KVFormat::kFp8E4M3: return dtype == DType::kFloat ? launch_decode_dtype<float, fp8_e4m3>(args, stream) : cudaErrorInvalidValue;
+    case KVFormat::kFp8E5M2: return dtype == DType::kFloat ? launch_decode_dtype<float, fp8_e5m2>(args, stream) : cudaErrorInvalidValue;
+    case KVFormat::kNone: break;
+  }
   switch (dtype) {
     case DType::kFloat: return launch_decode_dtype<float>(args, stream);
     case DType::kHalf: return launch_decode_dtype<__half>(args, stream);
@@ -451,6 +570,16 @@ cudaError_t launch_reshape_and_cache(const void* key, const void* value, int64_t
     case DType::kBFloat16:
       return launch_reshape_typed<__nv_bfloat16>(key, value, ks0, ks1, ks2, vs0, vs1, vs2, key_cache,
                                                  value_cache, slot_mapping, slots_int64, num_tokens, layout, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_quantize_and_cache(const QuantizeArgs& args, DType input_dtype, cudaStream_t stream) {
+  if (args.num_tokens == 0) return cudaSuccess;
+  switch (input_dtype) {
+    case DType::kFloat: return launch_quantize_typed<float>(args, stream);
+    case DType::kHalf: return launch_quantize_typed<__half>(args, stream);
+    case DType::kBFloat16: return launch_quantize_typed<__nv_bfloat16>(args, stream);
   }
   return cudaErrorInvalidValue;
 }

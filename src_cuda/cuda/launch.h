@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cache_layout.h"
+#include "quant.h"
 
 namespace minipaged::cuda {
 
@@ -30,6 +31,11 @@ struct DecodeArgs {
   float* partial_out;        // [num_seqs, num_heads, num_partitions, head_dim]
   float* partial_max;        // [num_seqs, num_heads, num_partitions]
   float* partial_sum;        // [num_seqs, num_heads, num_partitions]
+  // An 8-bit cache (quant.h; then query and out are float): int8's per-token scales
+  // [num_blocks, num_kv_heads, block_size], or fp8's layer scales (one float each, on the device).
+  KVFormat format;
+  const float* key_scale;
+  const float* value_scale;
 };
 
 bool decode_supports_head_dim(int64_t head_dim);
@@ -45,6 +51,23 @@ cudaError_t launch_reshape_and_cache(const void* key, const void* value, int64_t
                                      int64_t value_dim_stride, void* key_cache, void* value_cache,
                                      const void* slot_mapping, bool slots_int64, int64_t num_tokens,
                                      CacheLayout layout, DType dtype, cudaStream_t stream);
+
+// reshape_and_cache into an 8-bit cache: key/value ([num_tokens, num_kv_heads, head_dim], any
+// strides) quantized into their slots; int8 writes each row's scale, fp8 reads the layer's.
+struct QuantizeArgs {
+  const void* key;
+  const void* value;
+  int64_t key_strides[3], value_strides[3];
+  void* key_cache;
+  void* value_cache;
+  float* key_scale;             // int8: written, [num_blocks, num_kv_heads, block_size]; fp8: read, 1 float
+  float* value_scale;
+  const int64_t* slot_mapping;  // [num_tokens], negative or out of range: skipped
+  int64_t num_tokens;
+  CacheLayout layout;
+  KVFormat format;
+};
+cudaError_t launch_quantize_and_cache(const QuantizeArgs& args, DType input_dtype, cudaStream_t stream);
 
 cudaError_t launch_copy_blocks(void* key_cache, void* value_cache, const int64_t* block_mapping,
                                int64_t num_pairs, int64_t block_bytes, int64_t num_blocks,
@@ -74,6 +97,9 @@ struct PrefillArgs {
   float* partial_out;           // [total_q, num_heads, num_splits, head_dim]
   float* partial_max;           // [total_q, num_heads, num_splits]
   float* partial_sum;           // [total_q, num_heads, num_splits], zeroed by the caller
+  KVFormat format;              // as in DecodeArgs
+  const float* key_scale;
+  const float* value_scale;
 };
 
 struct PrefillPlan {

@@ -18,7 +18,10 @@
 #include <algorithm>
 #include <cfloat>
 
+#include <type_traits>
+
 #include "cuda/launch.h"
+#include "quant.h"
 
 namespace minipaged::cuda {
 namespace {
@@ -32,6 +35,15 @@ constexpr int kMinSplitTokens = 512;               // shortest history piece wor
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// 8-bit caches (quant.h), before the scale; fp8 as float16 bits (e4m3: value x 2^-8, in raw_scale).
+__device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+__device__ __forceinline__ float to_float(fp8_e5m2 x) { return half_bits_to_float(e5m2_half_bits(x.bits)); }
+__device__ __forceinline__ float to_float(fp8_e4m3 x) { return half_bits_to_float(e4m3_half_bits(x.bits)); }
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
@@ -55,10 +67,11 @@ __device__ SeqSpan seq_span(const PrefillArgs& a, int seq) {
 
 // Copies keys [chunk, chunk + kKeys) of one kv head into `rows` ([kKeys][HEAD_DIM + 1] floats,
 // padded against bank conflicts) with 16-byte loads; `live[k]` is false for keys at or past
-// `end` or in an out-of-range block (their row is zero).
+// `end` or in an out-of-range block (their row is zero). An 8-bit cache's rows are dequantized:
+// times the token's int8 scale (`scales`) or the fp8 layer's (raw_scale of *scales).
 template <typename T, int HEAD_DIM>
 __device__ void load_chunk(const T* cache, const int32_t* block_table, const CacheLayout& layout, int kv_head,
-                           int chunk, int end, float* rows, bool* live) {
+                           int chunk, int end, float* rows, bool* live, KVFormat format, const float* scales) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecsPerRow = HEAD_DIM / kVec;
   const int64_t B = layout.block_size;
@@ -68,16 +81,21 @@ __device__ void load_chunk(const T* cache, const int32_t* block_table, const Cac
     const bool ok = t < end && layout.valid_block(block);
     if (v == 0) live[k] = ok;
     uint4 raw = make_uint4(0, 0, 0, 0);
-    if (ok) raw = *reinterpret_cast<const uint4*>(cache + layout.row(block, kv_head, t % B) + v * kVec);
+    const int64_t row = ok ? layout.row(block, kv_head, t % B) : 0;
+    if (ok) raw = *reinterpret_cast<const uint4*>(cache + row + v * kVec);
     const T* elems = reinterpret_cast<const T*>(&raw);
+    float scale = 1.f;
+    if constexpr (std::is_same_v<T, int8_t>) scale = ok ? scales[row / HEAD_DIM] : 0.f;
+    if constexpr (std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>) scale = raw_scale(format, *scales);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) rows[k * (HEAD_DIM + 1) + v * kVec + e] = to_float(elems[e]);
+    for (int e = 0; e < kVec; ++e) rows[k * (HEAD_DIM + 1) + v * kVec + e] = to_float(elems[e]) * scale;
   }
 }
 
 // One (sequence, query tile, kv head x split) of the grid; false when the tile has no rows (nor
 // then has any later tile of the sequence).
-template <typename T, int HEAD_DIM>
+// Q: the query's (and output's) type; T: the cache's (Q, or an 8-bit format with Q float).
+template <typename Q, typename T, int HEAD_DIM>
 __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* smem) {
   constexpr int kSlice = HEAD_DIM / kThreadsPerRow;  // accumulator elements per thread
   constexpr int kStride = HEAD_DIM + 1;
@@ -94,7 +112,7 @@ __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* sme
   if (rows <= 0) return false;
 
   // Load the query tile. Row r: token row0 / group + ..., query head kv_head * group + (r % group).
-  const T* query = static_cast<const T*>(a.query);
+  const Q* query = static_cast<const Q*>(a.query);
   for (int i = threadIdx.x; i < kRows * HEAD_DIM; i += kThreads) {
     const int r = i / HEAD_DIM, d = i % HEAD_DIM;
     float x = 0.f;
@@ -121,7 +139,8 @@ __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* sme
 
   for (int chunk = key_begin; chunk < key_end; chunk += kKeys) {
     __syncthreads();  // the previous chunk's V and scores are no longer read
-    load_chunk<T, HEAD_DIM>(key_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live);
+    load_chunk<T, HEAD_DIM>(key_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live, a.format,
+                            a.key_scale);
     __syncthreads();
     for (int i = threadIdx.x; i < kRows * kKeys; i += kThreads) {
       const int r = i / kKeys, k = i % kKeys;
@@ -135,7 +154,8 @@ __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* sme
       scores[r * kKeys + k] = s;
     }
     __syncthreads();
-    load_chunk<T, HEAD_DIM>(value_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live);
+    load_chunk<T, HEAD_DIM>(value_cache, block_table, a.layout, kv_head, chunk, key_end, kv_rows, live, a.format,
+                            a.value_scale);
     __syncthreads();
     // Online softmax of this thread's row; every thread of the row computes the same state.
     float chunk_max = -FLT_MAX;
@@ -166,7 +186,7 @@ __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* sme
     const float inv = run_sum > 0.f ? 1.f / run_sum : 0.f;
 #pragma unroll
     for (int j = 0; j < kSlice; ++j)
-      static_cast<T*>(a.out)[th * HEAD_DIM + lane + j * kThreadsPerRow] = from_float<T>(acc[j] * inv);
+      static_cast<Q*>(a.out)[th * HEAD_DIM + lane + j * kThreadsPerRow] = from_float<Q>(acc[j] * inv);
   } else {
     const int64_t ts = th * a.num_splits + split;
 #pragma unroll
@@ -176,7 +196,7 @@ __device__ bool prefill_tile(const PrefillArgs& a, int seq, int tile, float* sme
   return true;
 }
 
-template <typename T, int HEAD_DIM>
+template <typename Q, typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads)
 prefill_kernel(const PrefillArgs a) {
   extern __shared__ float smem[];
@@ -184,7 +204,7 @@ prefill_kernel(const PrefillArgs a) {
   // so a block takes tiles blockIdx.y, + gridDim.y, ... (a very long chunk with a large group).
   for (int tile = blockIdx.y; tile < a.query_tiles; tile += gridDim.y) {
     if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last tile's shared-memory reads are done
-    if (!prefill_tile<T, HEAD_DIM>(a, blockIdx.x, tile, smem)) return;
+    if (!prefill_tile<Q, T, HEAD_DIM>(a, blockIdx.x, tile, smem)) return;
   }
 }
 
@@ -211,23 +231,23 @@ merge_splits_kernel(const PrefillArgs a) {
   }
 }
 
-template <typename T, int HEAD_DIM>
+template <typename Q, typename T, int HEAD_DIM>
 cudaError_t launch_prefill_head_dim(const PrefillArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(std::min(a.query_tiles, 65535)),
                   static_cast<unsigned>(a.layout.num_kv_heads * a.num_splits));
   const size_t smem = sizeof(float) * ((kRows + kKeys) * (HEAD_DIM + 1) + kRows * kKeys) + kKeys;
-  prefill_kernel<T, HEAD_DIM><<<grid, kThreads, smem, stream>>>(a);
+  prefill_kernel<Q, T, HEAD_DIM><<<grid, kThreads, smem, stream>>>(a);
   if (a.num_splits > 1)
-    merge_splits_kernel<T, HEAD_DIM><<<dim3(static_cast<unsigned>(a.total_q), a.num_heads), kThreads, 0, stream>>>(a);
+    merge_splits_kernel<Q, HEAD_DIM><<<dim3(static_cast<unsigned>(a.total_q), a.num_heads), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename Q, typename T = Q>
 cudaError_t launch_prefill_dtype(const PrefillArgs& a, cudaStream_t stream) {
   switch (a.layout.head_dim) {
-    case 64: return launch_prefill_head_dim<T, 64>(a, stream);
-    case 128: return launch_prefill_head_dim<T, 128>(a, stream);
-    case 256: return launch_prefill_head_dim<T, 256>(a, stream);
+    case 64: return launch_prefill_head_dim<Q, T, 64>(a, stream);
+    case 128: return launch_prefill_head_dim<Q, T, 128>(a, stream);
+    case 256: return launch_prefill_head_dim<Q, T, 256>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -251,6 +271,14 @@ PrefillPlan prefill_plan(int64_t max_query_len, int64_t group, int64_t num_seqs,
 
 cudaError_t launch_paged_attention_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream) {
   if (args.total_q == 0 || args.num_seqs == 0) return cudaSuccess;
+  // An 8-bit cache's query and output are float (the bindings convert).
+  if (args.format != KVFormat::kNone && dtype != DType::kFloat) return cudaErrorInvalidValue;
+  switch (args.format) {
+    case KVFormat::kInt8: return launch_prefill_dtype<float, int8_t>(args, stream);
+    case KVFormat::kFp8E4M3: return launch_prefill_dtype<float, fp8_e4m3>(args, stream);
+    case KVFormat::kFp8E5M2: return launch_prefill_dtype<float, fp8_e5m2>(args, stream);
+    case KVFormat::kNone: break;
+  }
   switch (dtype) {
     case DType::kFloat: return launch_prefill_dtype<float>(args, stream);
     case DType::kHalf: return launch_prefill_dtype<__half>(args, stream);
