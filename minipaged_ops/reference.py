@@ -21,12 +21,16 @@ def quantize(x, cache_dtype, scale=None):
     returned; fp8: ``scale`` (the layer's, a float32 tensor) given, values saturated. Returns
     ``(q, scale)``."""
     x = x.float()
+    # Divisions tensor by tensor: torch turns `127.0 / t` into `t.reciprocal() * 127`, which rounds
+    # differently from the kernels' 127.f / amax.
     if cache_dtype == torch.int8:
         amax = x.abs().amax(-1)
-        inv = torch.where(amax > 0, (127.0 / amax).clamp(max=_FLOAT32_MAX), torch.zeros_like(amax))
+        code_max = torch.full_like(amax, 127.0)
+        inv = torch.where(amax > 0, torch.div(code_max, amax).clamp(max=_FLOAT32_MAX), torch.zeros_like(amax))
         q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
-        return q, amax / 127.0
-    inv = 1.0 / scale.float().reshape(())
+        return q, torch.div(amax, code_max)
+    scale = scale.float().reshape(())
+    inv = torch.div(torch.ones_like(scale), scale)
     limit = FORMAT_MAX[cache_dtype]
     return (x * inv).clamp(-limit, limit).to(cache_dtype), scale
 

@@ -12,6 +12,19 @@
 namespace minipaged {
 namespace {
 
+// The names users write (torch.int8, torch.float8_e4m3fn), not c10's (Char, Float8_e4m3fn).
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kChar: return "int8";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
 bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 bool is_cache_dtype(at::ScalarType t) {
@@ -25,8 +38,8 @@ void check_input_dtype(const at::Tensor& t, const char* name, const at::Tensor& 
     TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), name, ": expected dtype ", key_cache.scalar_type(),
                 " (that of key_cache), got ", t.scalar_type());
   } else {
-    TORCH_CHECK_VALUE(is_float_dtype(t.scalar_type()), name, ": expected dtype float32, float16 or bfloat16 (",
-                      key_cache.scalar_type(), " key_cache is quantized from and to them), got ", t.scalar_type());
+    TORCH_CHECK_VALUE(is_float_dtype(t.scalar_type()), name, ": expected dtype float32, float16 or bfloat16 (an ",
+                      "8-bit key_cache is quantized from and to them), got ", t.scalar_type());
   }
 }
 
@@ -56,7 +69,7 @@ CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& valu
               "key_cache: expected dtype float32, float16 or bfloat16 (or int8, float8_e4m3fn, float8_e5m2 for an "
               "8-bit cache), got ", key_cache.scalar_type());
   TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
-                    key_cache.scalar_type(), " (that of key_cache), got ", value_cache.scalar_type());
+                    dtype_name(key_cache.scalar_type()), " (that of key_cache), got ", dtype_name(value_cache.scalar_type()));
   check_same_device(value_cache, "value_cache", key_cache);
   TORCH_CHECK_VALUE(key_cache.is_contiguous(), "key_cache: expected a contiguous tensor");
   TORCH_CHECK_VALUE(value_cache.is_contiguous(), "value_cache: expected a contiguous tensor");
@@ -76,8 +89,8 @@ CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value: expected shape ", key.sizes(),
                     " (that of key), got ", value.sizes());
   check_input_dtype(key, "key", key_cache);
-  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value: expected dtype ", key.scalar_type(),
-              " (that of key), got ", value.scalar_type());
+  TORCH_CHECK_VALUE(value.scalar_type() == key.scalar_type(), "value: expected dtype ", dtype_name(key.scalar_type()),
+                    " (that of key), got ", dtype_name(value.scalar_type()));
   check_same_device(key, "key", key_cache);
   check_same_device(value, "value", key_cache);
   check_same_device(slot_mapping, "slot_mapping", key_cache);
@@ -259,11 +272,11 @@ static void check_one_scale(const std::optional<at::Tensor>& scale, const char* 
                             const CacheLayout& layout, KVFormat format) {
   if (format == KVFormat::kNone) {
     TORCH_CHECK_VALUE(!scale.has_value(), name, ": scales are for 8-bit caches (int8, float8_e4m3fn, "
-                      "float8_e5m2), but key_cache is ", key_cache.scalar_type());
+                      "float8_e5m2), but key_cache is ", dtype_name(key_cache.scalar_type()));
     return;
   }
   const bool per_token = format == KVFormat::kInt8;
-  TORCH_CHECK_VALUE(scale.has_value(), name, ": a ", key_cache.scalar_type(), " key_cache needs its scales: ",
+  TORCH_CHECK_VALUE(scale.has_value(), name, ": a ", dtype_name(key_cache.scalar_type()), " key_cache needs its scales: ",
                     per_token ? "float32 [num_blocks, num_kv_heads, block_size], one per token and kv head"
                               : "a float32 tensor of one element, the layer's scale");
   const at::Tensor& s = *scale;
@@ -277,7 +290,7 @@ static void check_one_scale(const std::optional<at::Tensor>& scale, const char* 
                       "] ([num_blocks, num_kv_heads, block_size] of key_cache), got ", s.sizes());
     TORCH_CHECK_VALUE(s.is_contiguous(), name, ": expected a contiguous tensor");
   } else {
-    TORCH_CHECK_VALUE(s.numel() == 1, name, ": a ", key_cache.scalar_type(),
+    TORCH_CHECK_VALUE(s.numel() == 1, name, ": a ", dtype_name(key_cache.scalar_type()),
                       " cache has one scale per layer: expected a tensor of one element, got shape ", s.sizes());
   }
 }
