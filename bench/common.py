@@ -146,6 +146,43 @@ class DecodeProblem:
         return caches[0], caches[1], tables.reshape(self.block_tables.shape)
 
 
+@dataclass
+class QuantizedPool:
+    """A DecodeProblem's K/V in an 8-bit cache on the same blocks (quantized as reshape_and_cache
+    writes them; fp8 scales from the data's maximum, as calculate_kv_scales sets them)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    key_scale: torch.Tensor
+    value_scale: torch.Tensor
+    kv_bytes: int  # what a decode step reads: the sequences' bytes plus their int8 scales
+
+    @classmethod
+    def of(cls, pool, kv_cache_dtype: str, tokens: int) -> QuantizedPool:
+        """`pool`: (key_cache, value_cache, block_tables) as DecodeProblem.pool (or .relaid) gives
+        it; `tokens`: how many tokens of it a decode step reads (for kv_bytes)."""
+        from minipaged_ops import quantized, reference
+
+        dtype = quantized.cache_dtype(kv_cache_dtype, pool[0].dtype)
+        caches, scales = [], []
+        for cache in pool[:2]:
+            layer = None if dtype == torch.int8 else quantized.layer_scale_for(cache, dtype)
+            q, scale = reference.quantize(cache, dtype, layer)
+            caches.append(q)
+            scales.append(scale.contiguous())
+        heads, head_dim = pool[0].shape[1], pool[0].shape[3]
+        per_token = 2 * heads * head_dim + (2 * heads * 4 if dtype == torch.int8 else 0)
+        return cls(caches[0], caches[1], pool[2], scales[0], scales[1], tokens * per_token)
+
+    def decode(self, p: DecodeProblem) -> torch.Tensor:
+        import minipaged_ops
+
+        return minipaged_ops.paged_attention_decode(p.query, self.key_cache, self.value_cache, self.block_tables,
+                                                    p.seq_lens, p.scale, key_scale=self.key_scale,
+                                                    value_scale=self.value_scale)
+
+
 def make_decode_problem(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = -(-seq_len // block_size)

@@ -10,6 +10,7 @@ and printed as ratios; absolute times on a shared machine are only indicative.
     python bench/decode_cpu.py --in-cache --threads 1    # the kernel's own cost, without memory
     python bench/decode_cpu.py --back-to-back --dtype float32,bfloat16   # without scattered blocks
     python bench/decode_cpu.py --busy --batch 2 --seq-len 512   # another process spinning on a core
+    python bench/decode_cpu.py --kv-cache-dtype int8,fp8_e4m3,fp8_e5m2   # 8-bit caches vs bfloat16's
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, add_cpu_decode_args, busy_core, cpu_decode_problem, interleaved_medians, print_table, sdpa_decode  # noqa: E402
+from common import (DTYPES, QuantizedPool, add_cpu_decode_args, busy_core, cpu_decode_problem,  # noqa: E402
+                    interleaved_medians, print_table, sdpa_decode)
+
+KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def main(argv=None) -> None:
@@ -39,10 +43,19 @@ def main(argv=None) -> None:
                          "shuffled: the same decode without the cost of scattered blocks")
     ap.add_argument("--busy", action="store_true",
                     help="time everything while another process spins on one core (a shared machine's load)")
+    ap.add_argument("--kv-cache-dtype", default="",
+                    help="8-bit caches to time beside the bfloat16 one, on the same blocks with the same bfloat16 "
+                         "query: one or more of " + ", ".join(KV_CACHE_DTYPES) + ", comma separated (adds "
+                         "bfloat16 to --dtype)")
     args = ap.parse_args(argv)
     dtypes = args.dtype.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")
+    kv_dtypes = [k for k in args.kv_cache_dtype.split(",") if k]
+    if bad := [k for k in kv_dtypes if k not in KV_CACHE_DTYPES]:
+        ap.error(f"--kv-cache-dtype: unknown {bad}; expected {', '.join(KV_CACHE_DTYPES)}")
+    if kv_dtypes and "bfloat16" not in dtypes:
+        dtypes.append("bfloat16")
 
     if args.in_cache and args.back_to_back:
         ap.error("--in-cache and --back-to-back: choose one (in cache, the layout does not matter)")
@@ -57,6 +70,16 @@ def main(argv=None) -> None:
         if args.in_cache:
             del fns["sdpa", d]
             errors[d] = float("nan")
+    # 8-bit caches: the bfloat16 problem's K/V quantized on the same blocks (and tables).
+    bf16 = problems.get("bfloat16")
+    quantized = {}
+    for k in kv_dtypes:
+        pool = bf16.relaid(1) if args.back_to_back else bf16.in_cache_pool if args.in_cache else bf16.pool
+        quantized[k] = QuantizedPool.of(pool, k, args.batch * args.seq_len)
+        fns["paged", k] = lambda q=quantized[k]: q.decode(bf16)
+        # Against the bfloat16 cache's output: the format's error, not the kernel's (the tests
+        # check the kernel against the reference on the dequantized K/V).
+        errors[k] = (fns["paged", k]().double() - fns["paged", "bfloat16"]().double()).abs().max().item()
     # The read roof: a large sum over as many bytes as the biggest K+V, timed in the same alternation.
     roof_bytes = max(p.kv_bytes for p in problems.values())
     roof_buf = torch.ones(roof_bytes // 4, dtype=torch.float32)
@@ -72,6 +95,10 @@ def main(argv=None) -> None:
           + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"
                       for d, p in problems.items()))
     print(f"read bandwidth (sum over {roof_bytes / 2**20:.0f} MiB, timed alongside): {read_bw / 1e9:.1f} GB/s")
+    if quantized:
+        print("8-bit caches (same blocks, bfloat16 query; max |out - bfloat16 cache's out|): "
+              + "; ".join(f"{k}: K+V {q.kv_bytes / 2**20:.0f} MiB with scales, {errors[k]:.1e}"
+                          for k, q in quantized.items()))
     rows = []
     for d, p in problems.items():
         for name, kind in (("minipaged paged", "paged"), ("sdpa contiguous", "sdpa")):
@@ -81,7 +108,13 @@ def main(argv=None) -> None:
             rows.append(dict(dtype=d, kernel=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
                              pct_read_bw=f"{100 * p.kv_bytes / sec / read_bw:.0f}%",
                              speedup_vs_sdpa=f"{t['sdpa', d] / sec:.2f}x" if ("sdpa", d) in t else "-"))
-    print_table(rows, ["dtype", "kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"])
+    for k, q in quantized.items():
+        sec = t["paged", k]
+        rows.append(dict(dtype=k, kernel="minipaged paged", ms=f"{sec * 1e3:.3f}", GBps=f"{q.kv_bytes / sec / 1e9:.1f}",
+                         pct_read_bw=f"{100 * q.kv_bytes / sec / read_bw:.0f}%", speedup_vs_sdpa="-",
+                         vs_bfloat16_cache=f"{t['paged', 'bfloat16'] / sec:.2f}x"))
+    print_table(rows, ["dtype", "kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"]
+                + (["vs_bfloat16_cache"] if quantized else []))
     per_byte = {d: problems[d].kv_bytes / t["paged", d] for d in problems}
     for d in ("bfloat16", "float16"):
         if d in per_byte and "float32" in per_byte:

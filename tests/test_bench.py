@@ -34,6 +34,18 @@ def test_decode_cpu_prints_every_dtype_and_the_per_byte_ratio():
     assert len(errors) == 3 and max(errors) < 1e-2, out
 
 
+def test_decode_cpu_times_8_bit_caches_beside_bfloat16():
+    out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "80", "--iters", "2", "--dtype", "float32",
+                    "--kv-cache-dtype", "int8,fp8_e4m3,fp8_e5m2")
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        assert re.search(rf"^{kv}\s+minipaged paged\s+[\d.]+\s+[\d.]+\s+\d+%\s+-\s+[\d.]+x", out, re.M), out
+    assert re.search(r"^bfloat16\s+minipaged paged", out, re.M), out  # added for the comparison
+    # The formats' error against the bfloat16 cache: small, and int8's smallest (8 bits of mantissa).
+    errors = dict(re.findall(r"(int8|fp8_e4m3|fp8_e5m2): K\+V [\d.]+ MiB with scales, ([\d.e+-]+)", out))
+    assert len(errors) == 3 and max(map(float, errors.values())) < 0.1, out
+    assert float(errors["int8"]) < float(errors["fp8_e5m2"]), out
+
+
 def test_decode_cpu_back_to_back_decodes_the_same_and_says_so():
     out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "72", "--iters", "2", "--back-to-back",
                     "--dtype", "float32,bfloat16")
