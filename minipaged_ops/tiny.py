@@ -198,15 +198,22 @@ def tiny_tokenizer(vocab_size: int = 512):
 
 
 def save_tiny_model(directory, arch: str = "qwen3", *, seed: int = 0, vocab_size: int = 512,
-                    dtype=torch.float32, **config_kwargs) -> str:
+                    pad_vocab_to: int | None = None, dtype=torch.float32, **config_kwargs) -> str:
     """Write a random :func:`tiny_model` of ``arch`` with :func:`tiny_tokenizer` into ``directory``
     (created if missing) so ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(directory)``
     load it offline. The model's vocabulary is the tokenizer's; EOS is ``<|im_end|>`` (and
-    ``<|endoftext|>`` in the generation config, as Qwen3 has). ``config_kwargs`` go to
-    :func:`tiny_config`. Returns the directory."""
+    ``<|endoftext|>`` in the generation config, as Qwen3 has). ``pad_vocab_to``: fill the
+    vocabulary up to this size with placeholder tokens ``<|extra_N|>`` (ordinary, not special), for
+    a model with a real model's output layer (Qwen3: 151936) whose every sampled id decodes to text.
+    ``config_kwargs`` go to :func:`tiny_config`. Returns the directory."""
     import os
 
     tokenizer = tiny_tokenizer(vocab_size)
+    if pad_vocab_to is not None:
+        if isinstance(pad_vocab_to, bool) or not isinstance(pad_vocab_to, int) or pad_vocab_to < len(tokenizer):
+            raise ValueError(f"save_tiny_model: pad_vocab_to must be an int >= the tokenizer's {len(tokenizer)} "
+                             f"tokens, got {pad_vocab_to!r}")
+        tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(pad_vocab_to - len(tokenizer))])
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_kwargs = {"max_positions": 2048, **config_kwargs}
     model = tiny_model(arch, seed=seed, dtype=dtype, vocab=len(tokenizer), bos_token_id=None, eos_token_id=eos,
@@ -258,8 +265,11 @@ def main(argv=None) -> int:
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=512, help="tokenizer (and model) vocabulary")
+    p.add_argument("--pad-vocab-to", type=int, default=None,
+                   help="fill the vocabulary with placeholder tokens up to this size (Qwen3: 151936)")
     args = p.parse_args(argv)
-    print(save_tiny_model(args.save, args.arch, seed=args.seed, vocab_size=args.vocab_size))
+    print(save_tiny_model(args.save, args.arch, seed=args.seed, vocab_size=args.vocab_size,
+                          pad_vocab_to=args.pad_vocab_to))
     return 0
 
 

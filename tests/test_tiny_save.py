@@ -101,6 +101,16 @@ def test_bad_vocab_size_is_rejected_before_writing(bad, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_padded_vocabulary_decodes_every_id_and_leaves_text_alone(tmp_path):
+    folder = tiny.save_tiny_model(tmp_path / "padded", vocab_size=300, pad_vocab_to=1000, layers=1)
+    model, tokenizer = load(folder)
+    assert len(tokenizer) == model.config.vocab_size == 1000
+    assert tokenizer.decode([999]) == "<|extra_699|>" and tokenizer.decode([999], skip_special_tokens=True) != ""
+    assert tokenizer.encode(TEXTS[1]) == tiny.tiny_tokenizer(300).encode(TEXTS[1])
+    with pytest.raises(ValueError, match="pad_vocab_to"):
+        tiny.save_tiny_model(tmp_path / "x", vocab_size=300, pad_vocab_to=299)
+
+
 def test_script_greedy_walks_the_given_tokens():
     model = tiny.tiny_model("qwen3", vocab=300, hidden=64, layers=2)
     walk = [5, 260, 17, 99, 3, 201, 42]
