@@ -14,10 +14,10 @@ TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 # Python files too: an editable install maps the package's files when it is made.
 SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-ops test-cpu-isas setup build bench clean test-sanitize
+.PHONY: demo test test-cpu-isas setup build bench clean test-sanitize
 
 demo: build
-	$(PY) -m minipaged_ops.demo
+	$(PY) -m minipaged_ops.integration.demo
 
 test: build $(TF_OLDEST_DIR)/.stamp
 	$(PY) -m pytest tests

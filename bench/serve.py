@@ -593,7 +593,7 @@ def main(argv=None) -> int:
               f"{without - own} without ({1 - (with_pc - own) / (without - own):.0%} fewer; the best possible is "
               f"computing it once, {args.system_prompt} tokens, {1 - args.system_prompt / (without - own):.0%} fewer)")
     if "engine" in by_name:
-        from minipaged_ops.demo import format_report
+        from minipaged_ops.integration.demo import format_report
 
         print("\nengine.stats() after the run (the capacity report):")
         print(format_report(by_name["engine"].stats))

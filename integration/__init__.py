@@ -7,21 +7,27 @@ Importing it registers the ``"minipaged"`` attention implementation in transform
     from minipaged_ops.integration import PagedKVCache
 
     model.set_attn_implementation("minipaged")
-    cache = PagedKVCache(model.config, num_blocks=256, block_size=16)
+    cache = PagedKVCache(model, num_blocks=256, block_size=16)
     out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+Layout: ``kv_pool`` (the per-layer pools, the block manager, copies and swaps), ``planner`` (a
+step's metadata, host side), ``attention`` (what runs inside each layer), ``cache`` (the
+``generate()`` adapter), ``engine/`` (the serving engine).
 """
 
 from minipaged_ops.block_manager import OutOfBlocksError
 
 from . import _compat
-from .attention import minipaged_attention_forward, minipaged_mask
-from .cache import ATTN_IMPLEMENTATION, PagedKVCache, attach_hooks, detach_hooks
+from .attention import ATTN_IMPLEMENTATION, minipaged_attention_forward, minipaged_mask
+from .cache import PagedKVCache, attach_hooks, detach_hooks
 from .engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
-from .step import ScheduledChunk, StepMetadata, plan_step
+from .kv_pool import KVPool
+from .planner import ScheduledChunk, StepMetadata, plan_step
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CompletionOutput",
+    "KVPool",
     "LLMEngine",
     "OutOfBlocksError",
     "PagedKVCache",

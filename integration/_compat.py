@@ -21,8 +21,8 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 MIN_VERSION = (5, 17)
 MAX_VERSION = (6, 0)  # exclusive
@@ -84,10 +84,6 @@ def register(name: str, attention_fn, mask_fn) -> None:
     """Register ``name`` in both global registries (idempotent: re-registering overwrites)."""
     AttentionInterface.register(name, attention_fn)
     AttentionMaskInterface.register(name, mask_fn)
-
-
-def is_registered(name: str) -> bool:
-    return name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 
 def find_cache(args: tuple, kwargs: dict):

@@ -1,6 +1,7 @@
-"""The "minipaged" attention and mask functions registered in transformers' interfaces.
+"""The in-layer side of a step: the "minipaged" attention and mask functions registered in
+transformers' interfaces, and the packed attention they run.
 
-The attention reads one thing: the step's frozen :class:`~.step.StepMetadata`, made by the shared
+The attention reads one thing: the step's frozen :class:`~.planner.StepMetadata`, made by the
 planner (``plan_step``) and passed down by the caller as ``minipaged_step``: the engine for every
 packed step, :class:`~.cache.PagedKVCache`'s forward hook for every step of ``generate()``.
 Without it (a plain forward, ``use_cache=False``, another cache class) it is transformers' SDPA
@@ -11,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
+import minipaged_ops
+
 from . import _compat
-from .step import StepMetadata, packed_attention
+from .planner import StepMetadata
+
+ATTN_IMPLEMENTATION = "minipaged"
 
 
 def minipaged_attention_forward(
@@ -58,3 +63,28 @@ def minipaged_mask(*args, **kwargs):
     consume). Decode steps on a paged cache ignore the mask: pad tokens were never stored, and
     ``seq_lens`` bounds what each sequence reads."""
     return _compat.sdpa_mask(*args, **kwargs)
+
+
+def packed_attention(query, key, value, key_cache, value_cache, meta: StepMetadata, scale: float) -> torch.Tensor:
+    """Attention of one layer for a packed step.
+
+    ``query`` ``[total_tokens, num_heads, head_dim]``, ``key``/``value`` ``[total_tokens,
+    num_kv_heads, head_dim]`` (this step's tokens). Writes the new K/V into the pools first, so
+    every chunk (and every other chunk reading a block this step fills) sees them; then decodes
+    read their history with ``paged_attention_decode`` and prefill chunks attend causally to their
+    paged history and themselves with ``paged_attention_prefill``. Returns ``[total_tokens,
+    num_heads, head_dim]``."""
+    minipaged_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    if nd == len(meta.query_lens):
+        return minipaged_ops.paged_attention_decode(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
+    out = query.new_empty(query.shape)
+    if nd:
+        out[:nd] = minipaged_ops.paged_attention_decode(
+            query[:nd].contiguous(), key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    cu_seqlens_q = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
+    out[nd:] = minipaged_ops.paged_attention_prefill(
+        query[nd:].contiguous(), key_cache, value_cache, meta.block_tables[nd:], cu_seqlens_q, meta.seq_lens[nd:],
+        scale, max(meta.query_lens[nd:]))
+    return out

@@ -1,9 +1,10 @@
 """``PagedKVCache``: a transformers ``Cache`` whose keys and values live in a pool of fixed-size
 blocks, handed out on demand by a :class:`minipaged_ops.block_manager.KVBlockManager`.
 
-Data plane (inside ``forward``, traceable, no host sync): every step is planned by the engine's
-planner (``step.plan_step``) and every attention layer runs the engine's ``packed_attention`` on
-the step's real tokens (``attention.py``): it writes their K/V with ``reshape_and_cache``, then
+It is a thin adapter: the pools, the block manager and the block copies are a
+:class:`~.kv_pool.KVPool` (the engine's), every step is planned by the engine's planner
+(``planner.plan_step``) and every attention layer runs the engine's ``packed_attention`` on the
+step's real tokens (``attention.py``): it writes their K/V with ``reshape_and_cache``, then
 attends with ``paged_attention_decode`` (decode steps) or ``paged_attention_prefill`` (prompts
 and continued conversations, over their paged history). ``cache.update`` returns the new K/V
 untouched.
@@ -20,20 +21,17 @@ then commits the step (the sequence length transformers sees grows by the number
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import weakref
-from collections import Counter
 
 import torch
 
-import minipaged_ops
 from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
 from . import _compat
-from .step import ScheduledChunk, StepMetadata, plan_step
-
-ATTN_IMPLEMENTATION = "minipaged"
+from .attention import ATTN_IMPLEMENTATION
+from .kv_pool import KVPool, check_full_attention, kv_geometry
+from .planner import ScheduledChunk, StepMetadata, plan_step
 
 _CHUNKS, _DECODE = "chunks", "decode"
 
@@ -79,21 +77,19 @@ class PagedKVCache(_compat.Cache):
     ``attn_implementation="minipaged"``.
 
     Args:
-        config: the model itself (best: the cache binds to it at once, and ``dtype``/``device``
-            default to the model's; a ``torch.compile`` or PEFT wrapper is unwrapped), or its config
-            (the cache then binds to the one live model built from that config object, and raises
-            ``ValueError`` if several share it).
+        config: the model itself (the cache binds to it at once, and ``dtype``/``device`` default
+            to the model's; a ``torch.compile`` or PEFT wrapper is unwrapped), or its config (then
+            bind it with :meth:`attach`; a model already hooked by another cache and built from
+            this config object binds at its first forward with it).
         num_blocks: blocks in the pool (per layer; every layer holds its own pool of that size).
         block_size: token slots per block.
         enable_prefix_caching: full blocks are found again by their token prefix (across
             sequences in a batch, and after ``reset()`` for later prompts).
-        dtype, device: of the pools; default to the model's at the first forward.
+        dtype, device: of the pools; default to the model's.
 
     The cache needs a forward pre-hook on the model (it allocates blocks there, outside any
-    compiled region). It installs it itself on the model it binds to: the model passed in, the
-    model given to :meth:`attach`, or the only live model whose ``config`` is the config passed
-    in (looked for at construction and, if none exists yet, again at the first ``generate``).
-    A forward of any other model with this cache is an error.
+    compiled region), installed on the model it binds to. A forward of any other model with this
+    cache, or of a model the cache cannot tell it is meant for, is an error that names ``attach``.
     """
 
     def __init__(
@@ -117,25 +113,17 @@ class PagedKVCache(_compat.Cache):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
-        types = _compat.layer_types(config)
-        bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
-        if bad:
-            i, t = bad[0]
-            raise ValueError(
-                f"PagedKVCache supports full-attention layers only; layer {i} is {t!r} "
-                f"({len(bad)} of {len(types)} layers are not full attention, e.g. sliding_window="
-                f"{getattr(config, 'sliding_window', None)}). Use transformers' DynamicCache for this model."
-            )
+        check_full_attention(config, "PagedKVCache")
         self.config = config
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.pool: KVPool | None = None  # made when the cache binds to its model
         max_pos = getattr(config, "max_position_embeddings", None)
         self._max_blocks_per_seq = min(num_blocks, math.ceil(max_pos / block_size)) if max_pos else num_blocks
-        self.key_cache: list[torch.Tensor] = []
-        self.value_cache: list[torch.Tensor] = []
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        if model is not None and dtype is not None and dtype != model.dtype:
+            raise ValueError(_dtype_mismatch(dtype, model.dtype))
+        self._dtype, self._device = dtype, None if device is None else torch.device(device)
 
         # batch state
         self._rows: list[int] = []  # batch row -> sequence id in the block manager
@@ -150,21 +138,9 @@ class PagedKVCache(_compat.Cache):
         self._slot_buf: torch.Tensor | None = None  # int64 [batch] (decode slot mapping)
         self.peak_blocks_used = 0
 
-        if model is not None:
-            if dtype is not None and dtype != model.dtype:
-                raise ValueError(_dtype_mismatch(dtype, model.dtype))
-            dtype = dtype if dtype is not None else model.dtype
-            device = device if device is not None else model.device
-        if dtype is not None or device is not None:
-            self._ensure_pools(
-                torch.device(device) if device is not None else torch.device("cpu"),
-                dtype if dtype is not None else (getattr(config, "dtype", None) or torch.get_default_dtype()),
-            )
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         if model is not None:
             self.attach(model)
-        else:
-            self._autoattach()
 
     # ------------------------------------------------------------------ public
 
@@ -177,16 +153,22 @@ class PagedKVCache(_compat.Cache):
         return self.block_manager.block_size
 
     @property
+    def key_cache(self) -> list[torch.Tensor]:
+        return [k for k, _ in self.pool.kv_caches] if self.pool is not None else []
+
+    @property
+    def value_cache(self) -> list[torch.Tensor]:
+        return [v for _, v in self.pool.kv_caches] if self.pool is not None else []
+
+    @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block id across all layers."""
-        elem = self.key_cache[0].element_size() if self.key_cache else torch.empty((), dtype=self._dtype()).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+        """K and V bytes of one block id across all layers (0 until the cache binds to a model)."""
+        return self.pool.bytes_per_block if self.pool is not None else 0
 
     def usage(self) -> dict:
         """The block manager's usage plus bytes held (``kv_bytes_used``) and the pool size."""
-        u = dict(self.block_manager.usage())
-        u["kv_bytes_used"] = u["blocks_used"] * self.bytes_per_block
-        u["kv_bytes_pool"] = self.num_blocks * self.bytes_per_block
+        u = self.pool.usage() if self.pool is not None else dict(self.block_manager.usage(), kv_bytes_used=0,
+                                                                    kv_bytes_pool=0)
         u["peak_blocks_used"] = self.peak_blocks_used
         return u
 
@@ -196,11 +178,13 @@ class PagedKVCache(_compat.Cache):
         return list(self._rows)
 
     def attach(self, model: torch.nn.Module) -> "PagedKVCache":
-        """Bind the cache to ``model`` (a ``torch.compile`` or PEFT wrapper is unwrapped) and
-        install the (idempotent, cache-agnostic) pre/post forward hooks on it."""
+        """Bind the cache to ``model`` (a ``torch.compile`` or PEFT wrapper is unwrapped), install
+        the (idempotent, cache-agnostic) pre/post forward hooks on it and allocate the pools in
+        its dtype and device."""
         model = _compat.unwrap_model(model)
         attach_hooks(model)
         self._models.add(model)
+        self._ensure_pool(model)
         return self
 
     def reset(self, clear_prefix_cache: bool = False) -> None:
@@ -228,13 +212,12 @@ class PagedKVCache(_compat.Cache):
         if not self._in_step:
             raise RuntimeError(
                 "PagedKVCache.update called outside a prepared forward: the model is not attached to "
-                "this cache. Build it as PagedKVCache(model, ...) or call cache.attach(model) first."
+                "this cache, which cannot tell which model it is meant for. Build it as "
+                "PagedKVCache(model, ...) or call cache.attach(model) first."
             )
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if not self._models:
-            self._autoattach()
         return self._columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -289,8 +272,9 @@ class PagedKVCache(_compat.Cache):
                     f"PagedKVCache: a {type(model).__name__} that this cache is not attached to ran a forward "
                     "with it; build the cache as PagedKVCache(model, ...) or call cache.attach(model)"
                 )
-            self._models.add(model)  # the hooks are on it already: the model of our config
-        self._ensure_pools(device, model.dtype)
+            self._models.add(model)  # hooked by another cache, and built from our config object
+        self._ensure_pool(model)
+        self._check_pool(device, model.dtype)
         tokens = input_ids.tolist() if input_ids is not None else None
         if self._rows and batch != len(self._rows):
             raise ValueError(
@@ -322,7 +306,7 @@ class PagedKVCache(_compat.Cache):
     def _attention_kwargs(self) -> dict:
         """What the forward passes down to the attention function this step: the step's metadata
         and the pools."""
-        return {"minipaged_step": self._step, "minipaged_kv_caches": self._kv_caches}
+        return {"minipaged_step": self._step, "minipaged_kv_caches": self.pool.kv_caches}
 
     def _end_step(self) -> None:
         if self._in_step:
@@ -381,7 +365,7 @@ class PagedKVCache(_compat.Cache):
             token = tokens[b][0] if tokens is not None else None
             bm.append_token(sid, token)
             chunks.append(ScheduledChunk(sid, [0 if token is None else token], bm.sequence_length(sid) - 1))
-        self._apply_copies(device)
+        self.pool.apply_copies()
         meta = plan_step(bm, chunks, device)
         self._ensure_width(meta.block_tables.shape[1])
         self._slot_buf.copy_(meta.slot_mapping)
@@ -399,7 +383,7 @@ class PagedKVCache(_compat.Cache):
             cols = [j for j in range(q) if new_real[b][j]]
             toks = [tokens[b][j] for j in cols] if tokens is not None else None
             bm.append_tokens(sid, toks, num_tokens=None if toks is not None else len(cols))
-        self._apply_copies(device)
+        self.pool.apply_copies()
         self._refresh_tables()
         self._plan_prefill(q, tokens, new_real, [0] * len(self._rows), device)
 
@@ -457,31 +441,30 @@ class PagedKVCache(_compat.Cache):
         self._next_seq_id += 1
         return self._next_seq_id
 
-    def _dtype(self) -> torch.dtype:
-        return getattr(self.config, "dtype", None) or torch.get_default_dtype()
-
-    def _ensure_pools(self, device: torch.device, dtype: torch.dtype) -> None:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if self.key_cache:
-            have = self.key_cache[0].device
-            if have.type != device.type or (device.index is not None and have.index != device.index):
-                raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
-            if self.key_cache[0].dtype != dtype:
-                raise ValueError(_dtype_mismatch(self.key_cache[0].dtype, dtype))
+    def _ensure_pool(self, model: torch.nn.Module) -> None:
+        """Allocate the pools for ``model`` (geometry from its attention modules) if not yet made."""
+        if self.pool is not None:
             return
-        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        for _ in range(self.num_layers):
-            k = minipaged_ops.allocate_kv_cache(shape, dtype, device).zero_()
-            v = minipaged_ops.allocate_kv_cache(shape, dtype, device).zero_()
-            torch._dynamo.mark_static_address(k)
-            torch._dynamo.mark_static_address(v)
-            self.key_cache.append(k)
-            self.value_cache.append(v)
-        for layer, k, v in zip(self.layers, self.key_cache, self.value_cache):
+        param = next(model.parameters())
+        dtype = self._dtype if self._dtype is not None else param.dtype
+        self._check_dtype(dtype, param.dtype)
+        device = self._device if self._device is not None else param.device
+        self.pool = KVPool(kv_geometry(model), self.block_manager, dtype=dtype, device=device)
+        self.pool.mark_static()
+        for layer, (k, v) in zip(self.layers, self.pool.kv_caches):
             layer.keys, layer.values, layer.is_initialized = k, v, True
             layer.device = device
-        self._kv_caches = tuple(zip(self.key_cache, self.value_cache))
+
+    def _check_pool(self, device: torch.device, dtype: torch.dtype) -> None:
+        have = self.pool.device
+        if have.type != device.type or (device.index is not None and have.index != device.index):
+            raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
+        self._check_dtype(self.pool.dtype, dtype)
+
+    @staticmethod
+    def _check_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
+        if cache_dtype != model_dtype:
+            raise ValueError(_dtype_mismatch(cache_dtype, model_dtype))
 
     def _set_batch_buffers(self, batch: int, device) -> None:
         if self._block_tables is not None and self._block_tables.shape[0] == batch and self._block_tables.device == device:
@@ -510,62 +493,16 @@ class PagedKVCache(_compat.Cache):
     def _check_room(self, counts: list[int]) -> None:
         """Raise OutOfBlocksError, before changing anything, if appending ``counts[i]`` tokens to
         row ``i`` needs more blocks (new blocks plus copy-on-write copies) than are free."""
-        bm, bs = self.block_manager, self.block_size
-        needed = 0
-        appending_on: Counter = Counter()
-        for sid, n in zip(self._rows, counts):
-            if n == 0:
-                continue
-            length = bm.sequence_length(sid)
-            needed += -(-(length + n) // bs) - -(-length // bs)
-            if length % bs:
-                appending_on[bm.slot(sid, length - 1) // bs] += 1
-        for block, k in appending_on.items():
-            refs = bm.ref_count(block)
-            if refs > 1:
-                needed += k if refs > k else k - 1
+        bm = self.block_manager
+        needed = bm.blocks_needed_to_append([(sid, n) for sid, n in zip(self._rows, counts)])
         free = bm.num_free_blocks
         if needed > free:
             raise OutOfBlocksError(
                 f"PagedKVCache: the next step of {len(self._rows)} sequences needs {needed} more blocks of "
-                f"{bs} tokens but {free} of {self.num_blocks} are free; build the cache with more blocks",
+                f"{self.block_size} tokens but {free} of {self.num_blocks} are free; build the cache with more blocks",
                 needed=needed,
                 free=free,
             )
-
-    def _apply_copies(self, device) -> None:
-        copies = self.block_manager.take_copies()
-        if copies:
-            mapping = torch.tensor(copies, dtype=torch.int64).to(device)
-            for k, v in zip(self.key_cache, self.value_cache):
-                minipaged_ops.copy_blocks(k, v, mapping)
-
-    def _autoattach(self) -> None:
-        """Attach to the live top-level model built from this cache's config, if there is exactly
-        one (none yet: try again at the first generate; several: ask for the model)."""
-        models = _models_built_from(self._source_config)
-        if len(models) > 1:
-            names = ", ".join(type(m).__name__ for m in models)
-            raise ValueError(
-                f"PagedKVCache(config): {len(models)} live models share this config ({names}), so the cache "
-                "cannot tell which one it is for; pass the model instead: PagedKVCache(model, ...), or "
-                "cache.attach(model)"
-            )
-        if models:
-            self.attach(models[0])
-
-
-def _models_built_from(config) -> list[torch.nn.Module]:
-    """The distinct live top-level models whose ``config`` is ``config`` (wrappers unwrapped)."""
-    module_type = torch.nn.Module
-    found: dict[int, torch.nn.Module] = {}
-    # type() (not isinstance) so that dead weak proxies and lazy modules are never touched
-    for obj in gc.get_objects():
-        if issubclass(type(obj), module_type) and getattr(obj, "config", None) is config:
-            model = _compat.unwrap_model(obj)
-            found[id(model)] = model
-    inner = {id(m) for f in found.values() for m in f.modules() if m is not f}
-    return [m for key, m in found.items() if key not in inner]
 
 
 def _dtype_mismatch(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str:

@@ -361,15 +361,6 @@ class KVBlockManager:
 
     # ------------------------------------------------------------------ batch tensors
 
-    def get_block_tables_tensor(self, seq_ids: Sequence, device=None) -> torch.Tensor:
-        """int32 ``[len(seq_ids), max_blocks]``, zero-padded past each sequence's blocks."""
-        return self.get_batch_tensors(seq_ids, device)[0]
-
-    def get_seq_lens_tensor(self, seq_ids: Sequence, device=None) -> torch.Tensor:
-        """int32 ``[len(seq_ids)]``."""
-        rows = self._rows(seq_ids)
-        return _to(torch.from_numpy(self._lens[rows]), device)
-
     def get_batch_tensors(self, seq_ids: Sequence, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables, seq_lens) for a batch with one row lookup."""
         seqs = [self._get(s) for s in seq_ids]
@@ -479,9 +470,6 @@ class KVBlockManager:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
-
-    def _rows(self, seq_ids) -> list[int]:
-        return [self._get(s).row for s in seq_ids]
 
     def _check_free(self, needed: int, what: str) -> None:
         free = self.num_free_blocks

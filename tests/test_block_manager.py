@@ -492,8 +492,7 @@ def test_batch_tensors_are_int32_padded_and_grow():
     for s in range(20):  # more rows and columns than the initial mirror holds
         m.create_sequence(s, num_tokens=s * 3)
     ids = [19, 0, 7]
-    tables = m.get_block_tables_tensor(ids)
-    lens = m.get_seq_lens_tensor(ids)
+    tables, lens = m.get_batch_tensors(ids)
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32
     assert tables.shape == (3, 29) and lens.tolist() == [57, 0, 21]
     assert tables[0].tolist() == m.block_table(19)
@@ -504,7 +503,7 @@ def test_batch_tensors_are_int32_padded_and_grow():
     t2, l2 = m.get_batch_tensors(["f", 19], device="cpu")
     assert t2[0].tolist() == m.block_table("f") and l2.tolist() == [58, 57]
     assert tables[0].tolist() == m.block_table(19)  # earlier results are copies, not views
-    assert m.get_block_tables_tensor([0]).shape == (1, 1)
+    assert m.get_batch_tensors([0])[0].shape == (1, 1)
 
 
 def test_usage_counts():
@@ -537,8 +536,8 @@ def test_unknown_and_duplicate_ids():
     for call in (lambda: m.append_token("x"), lambda: m.append_tokens("x", [1]),
                  lambda: m.release_sequence("x"), lambda: m.fork("x", "y"),
                  lambda: m.block_table("x"), lambda: m.sequence_length("x"),
-                 lambda: m.get_block_tables_tensor(["a", "x"]),
-                 lambda: m.get_seq_lens_tensor(["x"])):
+                 lambda: m.get_batch_tensors(["a", "x"]),
+                 lambda: m.get_batch_tensors(["x"])):
         with pytest.raises(KeyError, match="'x'"):
             call()
     assert not m.has_sequence("y")

@@ -76,19 +76,8 @@ def assert_all_blocks_free(engine):
 # ---------------------------------------------------------------- equality with generate()
 
 
-@pytest.fixture(params=["op", "sdpa"])
-def prefill_backend(request, monkeypatch):
-    """Both prefill paths: the paged_attention_prefill op and the gather + SDPA fallback."""
-    from minipaged_ops.integration import step
-
-    if request.param == "op" and not hasattr(torch.ops.minipaged, "paged_attention_prefill"):
-        pytest.skip("this build has no paged_attention_prefill")
-    monkeypatch.setattr(step, "PREFILL_BACKEND", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
-def test_greedy_equals_generate_with_requests_arriving_mid_run(arch, prefill_backend):
+def test_greedy_equals_generate_with_requests_arriving_mid_run(arch):
     prompts = prompts_of([5, 17, 1, 33, 9, 24, 2], seed=1)
     engine = LLMEngine(engine_model(arch), num_blocks=128, block_size=4)
     outs = run_with_arrivals(engine, prompts, SamplingParams(max_tokens=10))
@@ -99,9 +88,9 @@ def test_greedy_equals_generate_with_requests_arriving_mid_run(arch, prefill_bac
     assert_all_blocks_free(engine)
 
 
-def test_chunked_prefill_with_a_small_token_budget(prefill_backend):
+def test_chunked_prefill_with_a_small_token_budget():
     prompts = prompts_of([40, 3, 27, 11], seed=2)
-    engine = LLMEngine(engine_model(), num_blocks=128, block_size=8, max_num_batched_tokens=6)
+    engine = LLMEngine(engine_model(), num_blocks=128, block_size=8, max_num_batched_tokens=6, max_num_seqs=6)
     steps_with_prefill_chunks = 0
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=8))
@@ -118,7 +107,7 @@ def test_chunked_prefill_with_a_small_token_budget(prefill_backend):
     assert_all_blocks_free(engine)
 
 
-def test_prefix_cache_hits_skip_prefill_compute(prefill_backend):
+def test_prefix_cache_hits_skip_prefill_compute():
     system = prompts_of([32], seed=3)[0]
     prompts = prompts_of([5, 9, 2, 14], seed=4, prefix=system)
     computed = {}
@@ -156,7 +145,7 @@ def test_n_greater_than_one_forks_the_prompt_blocks():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_pool_at_half_the_peak_demand_preempts_and_stays_exact(mode, prefill_backend):
+def test_pool_at_half_the_peak_demand_preempts_and_stays_exact(mode):
     block_size, max_tokens = 4, 12
     prompts = prompts_of([21, 8, 30, 15, 11, 26], seed=6)
     peak = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts)
@@ -225,7 +214,7 @@ def test_a_failed_forward_rolls_the_step_back_and_the_engine_goes_on(fail_at, mo
     system = prompts_of([16], seed=11)[0]
     prompts = prompts_of([6, 19, 3, 10], seed=12, prefix=system)
     model = engine_model()
-    engine = LLMEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=24)
+    engine = LLMEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=24, max_num_seqs=8)
     params = SamplingParams(max_tokens=7)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -259,16 +248,21 @@ def test_a_failed_forward_rolls_the_step_back_and_the_engine_goes_on(fail_at, mo
     assert_all_blocks_free(engine)
 
 
-def test_abort_frees_blocks_at_once_and_is_reported():
+def test_abort_frees_blocks_at_the_next_step_and_is_reported_once():
     engine = LLMEngine(engine_model(), num_blocks=64, block_size=4)
     engine.add_request("x", prompts_of([30])[0], SamplingParams(max_tokens=50))
     engine.add_request("y", prompts_of([5], seed=1)[0], SamplingParams(max_tokens=3))
     engine.step()
-    before = engine.block_manager.num_free_blocks
     engine.abort_request("x")
-    assert engine.block_manager.num_free_blocks - before == 8  # the 8 blocks of its 30 prompt tokens, now
+    with pytest.raises(ValueError, match="already in use"):  # reusable only once reported
+        engine.add_request("x", [5, 6], SamplingParams(max_tokens=2))
+    y_blocks = len(engine.block_manager.block_table("y#0"))
     outs = {o.request_id: o for o in engine.step()}
     assert outs["x"].finished and outs["x"].outputs[0].finish_reason == "abort"
+    # x's 8 blocks (30 prompt tokens) are free; y holds its own
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks == len(
+        engine.block_manager.block_table("y#0")) >= y_blocks
+    engine.add_request("x", [5, 6], SamplingParams(max_tokens=2))  # the id is free again
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(engine)
@@ -395,7 +389,7 @@ def test_low_precision_matches_generate_up_to_near_ties(dtype):
     ref_model = tiny_model("qwen3", vocab=VOCAB, dtype=dtype)
     ref_model.set_attn_implementation("sdpa")
     prompts = prompts_of([12, 30, 5], seed=10)
-    engine = LLMEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    engine = LLMEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=16, max_num_seqs=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=5), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ref = ref_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),

@@ -21,8 +21,9 @@ integration = pytest.importorskip("minipaged_ops.integration")
 
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+import minipaged_ops  # noqa: E402
 from minipaged_ops import tiny  # noqa: E402
-from minipaged_ops.integration import OutOfBlocksError, PagedKVCache, _compat, step  # noqa: E402
+from minipaged_ops.integration import OutOfBlocksError, PagedKVCache, _compat  # noqa: E402
 
 VOCAB = 192
 PAD = tiny.PAD
@@ -89,7 +90,7 @@ def test_greedy_ragged_batch_matches_sdpa(heads, kv_heads, head_dim, block_size,
     ids, mask = ragged_batch([13, 5, 21, 1], seed=heads + head_dim)
     kwargs = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_logits=True)
     ref = generate(model, "sdpa", ids, mask, **kwargs)
-    cache = PagedKVCache(model.config, num_blocks=64, block_size=block_size)
+    cache = PagedKVCache(model, num_blocks=64, block_size=block_size)
     out = generate(model, "minipaged", ids, mask, cache, **kwargs)
     assert_same_greedy(model, ids, mask, ref, out)
     assert cache.key_cache[0].dtype == dtype
@@ -106,7 +107,7 @@ def test_sampling_num_return_sequences_shares_prompt_blocks():
     ids, mask = ragged_batch([19, 11], seed=3)
     kwargs = dict(max_new_tokens=16, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=4)
     ref = generate(model, "sdpa", ids, mask, seed=1234, **kwargs)
-    cache = PagedKVCache(model.config, num_blocks=64, block_size=bs)
+    cache = PagedKVCache(model, num_blocks=64, block_size=bs)
     out = generate(model, "minipaged", ids, mask, cache, seed=1234, **kwargs)
     assert torch.equal(out, ref)
     assert len({tuple(r) for r in out[:4].tolist()}) > 1  # the samples do diverge
@@ -128,7 +129,7 @@ def test_beam_search_matches_sdpa_with_shared_blocks():
     ids, mask = ragged_batch([9, 17], seed=5)
     kwargs = dict(max_new_tokens=12, do_sample=False, num_beams=3, num_return_sequences=2, length_penalty=1.0)
     ref = generate(model, "sdpa", ids, mask, **kwargs)
-    cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
+    cache = PagedKVCache(model, num_blocks=64, block_size=8)
     out = generate(model, "minipaged", ids, mask, cache, **kwargs)
     assert torch.equal(out, ref)
     check_memory(cache)
@@ -138,10 +139,10 @@ def test_beam_search_matches_sdpa_with_shared_blocks():
 
 @pytest.fixture
 def prefill_calls(monkeypatch) -> list:
-    """One entry per call of the planner's prefill attention (once per layer per step)."""
+    """One entry per call of the paged prefill attention op (once per layer per step)."""
     calls = []
-    original = step.prefill_attention
-    monkeypatch.setattr(step, "prefill_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = minipaged_ops.paged_attention_prefill
+    monkeypatch.setattr(minipaged_ops, "paged_attention_prefill", lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
@@ -153,7 +154,7 @@ def test_unpadded_prompts_prefill_through_the_planner_with_prefix_hits_and_repea
     ids, mask = ragged_batch([21, 21], seed=17)
     kwargs = dict(max_new_tokens=9, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=3)
     ref = generate(model, "sdpa", ids, mask, seed=99, **kwargs)
-    cache = PagedKVCache(model.config, num_blocks=64, block_size=8, enable_prefix_caching=True)
+    cache = PagedKVCache(model, num_blocks=64, block_size=8, enable_prefix_caching=True)
     out = generate(model, "minipaged", ids, mask, cache, seed=99, **kwargs)
     assert torch.equal(out, ref)
     assert len(prefill_calls) == model.config.num_hidden_layers  # the prompts' one step
@@ -169,7 +170,7 @@ def test_chat_turn_continuation_reuses_prefix(prefill_calls):
     # The new turn attends to its paged history through the prefill path (no gather + SDPA).
     model = tiny_model()
     ids, mask = ragged_batch([10, 6], seed=7)
-    cache = PagedKVCache(model.config, num_blocks=64, block_size=8)
+    cache = PagedKVCache(model, num_blocks=64, block_size=8)
     out1 = generate(model, "minipaged", ids, mask, cache, max_new_tokens=8, do_sample=False)
     dyn = DynamicCache(config=model.config)
     ref1 = generate(model, "sdpa", ids, mask, dyn, max_new_tokens=8, do_sample=False)
@@ -204,7 +205,7 @@ def test_chat_turn_continuation_reuses_prefix(prefill_calls):
 def test_reset_frees_everything_and_reuse_hits_prefix_cache():
     model = tiny_model()
     ids, mask = ragged_batch([20, 12, 17], seed=9)
-    cache = PagedKVCache(model.config, num_blocks=48, block_size=8, enable_prefix_caching=True)
+    cache = PagedKVCache(model, num_blocks=48, block_size=8, enable_prefix_caching=True)
     ref = generate(model, "sdpa", ids, mask, max_new_tokens=10, do_sample=False)
     out = generate(model, "minipaged", ids, mask, cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, ref)
@@ -267,7 +268,7 @@ def test_manual_decode_loop_with_plain_forward():
     model = tiny_model()
     model.set_attn_implementation("minipaged")
     ids, _ = ragged_batch([6, 6], seed=13)
-    cache = PagedKVCache(model.config, num_blocks=16, block_size=8)
+    cache = PagedKVCache(model, num_blocks=16, block_size=8)
     with torch.no_grad():
         logits = model(ids, **_compat.cache_kwargs(cache), use_cache=True).logits[:, -1]
         seq = ids
@@ -287,13 +288,13 @@ def test_manual_decode_loop_with_plain_forward():
 def test_pool_too_small_raises_out_of_blocks():
     model = tiny_model()
     ids, mask = ragged_batch([30, 30], seed=14)
-    cache = PagedKVCache(model.config, num_blocks=5, block_size=8)
+    cache = PagedKVCache(model, num_blocks=5, block_size=8)
     with pytest.raises(OutOfBlocksError, match=r"needs .*8 blocks.* 5 of 5 are free"):
         generate(model, "minipaged", ids, mask, cache, max_new_tokens=4, do_sample=False)
     assert cache.block_manager.num_free_blocks == 5 and cache.block_manager.invariants_ok()
     # room for the prompt but not for the generation: fails during decode and leaves the cache
     # clean (the dead batch released), so the next generate just works
-    cache = PagedKVCache(model.config, num_blocks=8, block_size=8)
+    cache = PagedKVCache(model, num_blocks=8, block_size=8)
     with pytest.raises(OutOfBlocksError, match="the cache was reset") as info:
         generate(model, "minipaged", ids, mask, cache, max_new_tokens=8, do_sample=False)
     assert info.value.needed > info.value.free
@@ -316,11 +317,11 @@ def test_sliding_window_config_is_rejected_when_building_the_cache():
 def test_bad_arguments_and_misuse():
     model = tiny_model()
     with pytest.raises(ValueError, match="num_blocks"):
-        PagedKVCache(model.config, num_blocks=0)
+        PagedKVCache(model, num_blocks=0)
     with pytest.raises(ValueError, match="block_size"):
-        PagedKVCache(model.config, num_blocks=4, block_size=0)
+        PagedKVCache(model, num_blocks=4, block_size=0)
     ids, mask = ragged_batch([4, 4], seed=15)
-    cache = PagedKVCache(model.config, num_blocks=16, block_size=8)
+    cache = PagedKVCache(model, num_blocks=16, block_size=8)
     with pytest.raises(ValueError, match="attn_implementation"):
         generate(model, "sdpa", ids, mask, cache, max_new_tokens=2)
     generate(model, "minipaged", ids, mask, cache, max_new_tokens=2)
@@ -334,8 +335,8 @@ def test_cache_dtype_differing_from_the_model_is_a_clear_error():
     ids, mask = ragged_batch([4, 6], seed=17)
     cache = PagedKVCache(model.config, num_blocks=16, block_size=8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"cache holds bfloat16 but the model computes in float32"):
-        generate(model, "minipaged", ids, mask, cache, max_new_tokens=2)
-    assert cache.block_manager.num_free_blocks == 16
+        cache.attach(model)
+    assert cache.block_manager.num_free_blocks == 16 and cache.pool is None
     with pytest.raises(ValueError, match=r"cache holds float16 but the model computes in float32"):
         PagedKVCache(model, num_blocks=16, block_size=8, dtype=torch.float16)
 
@@ -345,7 +346,7 @@ def test_cache_binds_through_a_compile_wrapper_made_first():
     compiled = torch.compile(model, backend="eager")  # a wrapper exposing the same config
     ids, mask = ragged_batch([7, 12], seed=18)
     ref = generate(model, "sdpa", ids, mask, max_new_tokens=6, do_sample=False)
-    for cache in (PagedKVCache(model.config, num_blocks=16, block_size=8),
+    for cache in (PagedKVCache(model.config, num_blocks=16, block_size=8).attach(compiled),
                   PagedKVCache(compiled, num_blocks=16, block_size=8)):
         assert torch.equal(generate(compiled, "minipaged", ids, mask, cache, max_new_tokens=6, do_sample=False), ref)
     assert getattr(compiled, "_minipaged_hooks", None) is model._minipaged_hooks  # hooks on the model itself
@@ -366,26 +367,31 @@ class _PeftLikeWrapper(torch.nn.Module):
         return self.base_model.config
 
 
-def test_cache_binds_explicitly_and_a_shared_config_is_ambiguous():
+def test_a_config_only_cache_binds_only_the_model_it_is_given():
     config = tiny.tiny_config("qwen3", vocab=VOCAB)
     first, second = Qwen3ForCausalLM(config).eval(), Qwen3ForCausalLM(config).eval()  # one config object
     ids, mask = ragged_batch([5, 9], seed=19)
     ref = generate(second, "sdpa", ids, mask, max_new_tokens=5, do_sample=False)
-    with pytest.raises(ValueError, match=r"2 live models share this config .*PagedKVCache\(model"):
-        PagedKVCache(first.config, num_blocks=16, block_size=8)
-    cache = PagedKVCache(_PeftLikeWrapper(second), num_blocks=16, block_size=8)  # unwrapped, bound to `second`
+    cache = PagedKVCache(first.config, num_blocks=16, block_size=8)  # two live models share it: bound to none
+    with pytest.raises(RuntimeError, match=r"cannot tell which model .*attach\(model\)"):
+        generate(second, "minipaged", ids, mask, cache, max_new_tokens=5, do_sample=False)
+    cache.attach(_PeftLikeWrapper(second))  # unwrapped, bound to `second`
     assert torch.equal(generate(second, "minipaged", ids, mask, cache, max_new_tokens=5, do_sample=False), ref)
     assert getattr(first, "_minipaged_hooks", None) is None  # the unrelated model was not touched
     first_cache = PagedKVCache(first, num_blocks=16, block_size=8)
     with pytest.raises(RuntimeError, match="not attached"), torch.no_grad():
         second(ids, **_compat.cache_kwargs(first_cache))  # `second` is hooked, but bound to another cache
+    # a config-only cache does bind a model that another cache hooked, if built from its config object
+    late = PagedKVCache(first.config, num_blocks=16, block_size=8)
+    ref_first = generate(first, "sdpa", ids, mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(generate(first, "minipaged", ids, mask, late, max_new_tokens=5, do_sample=False), ref_first)
 
 
 def test_unattached_model_raises_clear_error():
     model = tiny_model()
     other = Qwen3ForCausalLM(model.config.__class__(**model.config.to_dict())).eval()
     other.set_attn_implementation("minipaged")
-    cache = PagedKVCache(model.config, num_blocks=8, block_size=8)  # attaches to `model`, not `other`
+    cache = PagedKVCache(model, num_blocks=8, block_size=8)  # attaches to `model`, not `other`
     with pytest.raises(RuntimeError, match="attach"), torch.no_grad():
         other(torch.tensor([[5, 6, 7]]), **_compat.cache_kwargs(cache))
 

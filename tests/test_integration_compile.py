@@ -57,7 +57,7 @@ def test_compiled_forward_fullgraph_inductor_no_recompile_no_pool_copy():
     ids, mask = padded_batch()
     ref = reference(model, ids, mask, 64)
     model.set_attn_implementation("minipaged")
-    cache = PagedKVCache(model.config, num_blocks=48, block_size=8, dtype=torch.float32, device="cpu")
+    cache = PagedKVCache(model, num_blocks=48, block_size=8, dtype=torch.float32, device="cpu")
     model.forward = torch.compile(model.forward, fullgraph=True)  # raises on any graph break
 
     def run():
@@ -91,7 +91,7 @@ def test_transformers_compiled_generate_path():
     ids, mask = padded_batch(seed=1)
     ref = reference(model, ids, mask, 40)
     model.set_attn_implementation("minipaged")
-    cache = PagedKVCache(model.config, num_blocks=48, block_size=16)
+    cache = PagedKVCache(model, num_blocks=48, block_size=16)
     graph_inputs = []
 
     def recording_backend(gm, example_inputs):

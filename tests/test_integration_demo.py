@@ -1,4 +1,4 @@
-"""Smoke test of the main demo (``python -m minipaged_ops.demo``) on a short run."""
+"""Smoke test of the main demo (``python -m minipaged_ops.integration.demo``) on a short run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("minipaged_ops.integration")
 
-from minipaged_ops import demo  # noqa: E402
+from minipaged_ops.integration import demo  # noqa: E402
 
 
 def test_demo_short_run(capsys, tmp_path):

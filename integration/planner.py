@@ -1,8 +1,8 @@
-"""One forward step over many sequences packed into one row: the planner and the attention.
+"""The step planner: the host side of one forward over many sequences packed into one row.
 
-The planner turns the chunks a scheduler picked (for each sequence: the tokens computed this step
-and where they start) into a frozen :class:`StepMetadata`, read by :func:`packed_attention` in
-every layer. A generate() batch is the same thing: every sequence's prompt as one chunk, then one
+It turns the chunks a scheduler picked (for each sequence: the tokens computed this step and where
+they start) into a frozen :class:`StepMetadata`, the one thing the attention of every layer reads
+(``attention.packed_attention``). A generate() batch is the same thing: every sequence's prompt as one chunk, then one
 token per sequence per decode step.
 
 The caller's contract, per step (the block manager's, see ``minipaged_ops.block_manager``):
@@ -23,13 +23,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-import minipaged_ops
-
-__all__ = ["ScheduledChunk", "StepMetadata", "packed_attention", "plan_step", "prefill_attention"]
-
-
-# How prefill chunks attend: "auto" (the op when this build has it), "op", or "sdpa" (gather + SDPA).
-PREFILL_BACKEND = "auto"
+__all__ = ["ScheduledChunk", "StepMetadata", "plan_step"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +37,8 @@ class ScheduledChunk:
     # leading tokens whose K/V the cache already holds (a prefix hit that generate() recomputes
     # anyway): they get slot -1, so shared blocks are read but never rewritten
     cached: int = 0
+    # the logits of every token of the chunk are needed, not only the last one's (prompt logprobs)
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,11 +51,14 @@ class StepMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]: tokens each sequence holds once this step is written
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cu_seqlens_q, chunk i is rows [q[i], q[i+1])
-    logits_indices: torch.Tensor  # int64 [num_sampled]: the rows whose logits are needed
+    logits_indices: torch.Tensor  # int64 [num_logits]: the rows whose logits are computed
     num_decodes: int  # chunks 0 .. num_decodes-1 are one token each
     query_lens: tuple[int, ...]  # host copies, so the prefill path needs no device sync
     context_lens: tuple[int, ...]  # = seq_lens on the host
-    sampled: tuple[int, ...]  # chunk index of each row of logits_indices
+    sampled: tuple[int, ...]  # chunk index of each sampled chunk ...
+    sample_rows: tuple[int, ...]  # ... and the row of the logits its next token is sampled from
+    # (chunk index, first logits row, rows) of each all_logits chunk: one row per chunk token
+    all_logits_rows: tuple[tuple[int, int, int], ...] = ()
     # int64 [total_tokens]: each token's row in the caller's [batch * q_len] layout, when that has
     # padding (a generate() prefill of ragged prompts); None: the same rows, in order
     token_index: Optional[torch.Tensor] = None
@@ -78,7 +77,7 @@ def plan_step(block_manager, chunks: Sequence[ScheduledChunk], device=None) -> S
     if not chunks:
         raise ValueError("plan_step: no chunks to run")
     input_ids, positions, slots = [], [], []
-    query_lens, context_lens, logits_rows, sampled = [], [], [], []
+    query_lens, context_lens, logits_rows, sampled, sample_rows, all_rows = [], [], [], [], [], []
     num_decodes, in_decodes = 0, True
     for i, chunk in enumerate(chunks):
         n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
@@ -101,9 +100,14 @@ def plan_step(block_manager, chunks: Sequence[ScheduledChunk], device=None) -> S
         slots.extend(block_manager.slot_mapping(chunk.seq_id, chunk.start + chunk.cached, end))
         query_lens.append(n)
         context_lens.append(end)
+        if chunk.all_logits:
+            all_rows.append((i, len(logits_rows), n))
+            logits_rows.extend(range(len(input_ids) - n, len(input_ids)))
         if chunk.sample:
-            logits_rows.append(len(input_ids) - 1)
+            if not chunk.all_logits:
+                logits_rows.append(len(input_ids) - 1)
             sampled.append(i)
+            sample_rows.append(len(logits_rows) - 1)
     block_tables, seq_lens = block_manager.get_batch_tensors([c.seq_id for c in chunks])
     starts = [0]
     for n in query_lens:
@@ -121,71 +125,9 @@ def plan_step(block_manager, chunks: Sequence[ScheduledChunk], device=None) -> S
         query_lens=tuple(query_lens),
         context_lens=tuple(context_lens),
         sampled=tuple(sampled),
+        sample_rows=tuple(sample_rows),
+        all_logits_rows=tuple(all_rows),
     )
-
-
-def packed_attention(query, key, value, key_cache, value_cache, meta: StepMetadata, scale: float) -> torch.Tensor:
-    """Attention of one layer for a packed step.
-
-    ``query`` ``[total_tokens, num_heads, head_dim]``, ``key``/``value`` ``[total_tokens,
-    num_kv_heads, head_dim]`` (this step's tokens). Writes the new K/V into the pools first, so
-    every chunk (and every other chunk reading a block this step fills) sees them; returns
-    ``[total_tokens, num_heads, head_dim]``."""
-    minipaged_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-    nd = meta.num_decodes
-    if nd == len(meta.query_lens):
-        return minipaged_ops.paged_attention_decode(
-            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-    out = query.new_empty(query.shape)
-    if nd:
-        out[:nd] = minipaged_ops.paged_attention_decode(
-            query[:nd].contiguous(), key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-    out[nd:] = prefill_attention(query[nd:], key_cache, value_cache, meta, scale, key[nd:], value[nd:])
-    return out
-
-
-def prefill_attention(query, key_cache, value_cache, meta: StepMetadata, scale: float,
-                      key=None, value=None) -> torch.Tensor:
-    """Causal attention of the prefill chunks (rows ``num_decodes ..``) over their paged history
-    and themselves. The one switch point: the ``paged_attention_prefill`` op when this build has
-    it, else a gather of each chunk's blocks and SDPA (a chunk without history attends to
-    ``key``/``value``, this step's own rows, when given: no gather)."""
-    nd = meta.num_decodes
-    if PREFILL_BACKEND == "op" or (PREFILL_BACKEND == "auto" and hasattr(torch.ops.minipaged, "paged_attention_prefill")):
-        cu = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
-        return torch.ops.minipaged.paged_attention_prefill(
-            query.contiguous(), key_cache, value_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
-            scale, max(meta.query_lens[nd:]))
-    return _gather_sdpa_prefill(query, key_cache, value_cache, meta, scale, key, value)
-
-
-def _gather_sdpa_prefill(query, key_cache, value_cache, meta: StepMetadata, scale: float, key, value) -> torch.Tensor:
-    nd = meta.num_decodes
-    block_size = key_cache.shape[2]
-    outs, row = [], 0
-    for i in range(nd, len(meta.query_lens)):
-        q_len, ctx = meta.query_lens[i], meta.context_lens[i]
-        q = query[row:row + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
-        if q_len == ctx and key is not None:  # no history: this step's rows are the whole context
-            k, v = key[row:row + q_len].transpose(0, 1), value[row:row + q_len].transpose(0, 1)
-        else:
-            blocks = meta.block_tables[i, : -(-ctx // block_size)].to(torch.int64)
-            k, v = _gather(key_cache, blocks, ctx), _gather(value_cache, blocks, ctx)
-        row += q_len
-        if q_len == ctx:  # no history: plain causal
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # query j sits at position ctx - q_len + j and sees keys up to it
-            pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs, 0)
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
-    """``[num_kv_heads, ctx, head_dim]`` of one sequence, read through its block table."""
-    kv = cache.index_select(0, blocks)  # [n, kv_heads, block_size, head_dim]
-    return kv.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :ctx]
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The main demo: Qwen3 ``generate()`` on a paged KV cache, side by side with transformers' sdpa.
 
-    python -m minipaged_ops.demo                 # tiny random Qwen3, built offline
-    python -m minipaged_ops.demo --model PATH    # a local Qwen3 checkpoint (safetensors + tokenizer)
-    python -m minipaged_ops.demo --plot usage.png
+    python -m minipaged_ops.integration.demo                 # tiny random Qwen3, built offline
+    python -m minipaged_ops.integration.demo --model PATH    # a local Qwen3 checkpoint (safetensors + tokenizer)
+    python -m minipaged_ops.integration.demo --plot usage.png
 
 It generates for a ragged (left-padded) batch with ``attn_implementation="minipaged"`` on a
 ``PagedKVCache`` and with ``"sdpa"`` on transformers' ``DynamicCache``, then prints whether the
@@ -37,7 +37,7 @@ TEXT_PROMPTS = [
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m minipaged_ops.demo",
+        prog="python -m minipaged_ops.integration.demo",
         description="Qwen3 generate() on a paged KV cache (minipaged) against transformers' sdpa.",
     )
     p.add_argument("--model", metavar="PATH", help="local Qwen3 checkpoint directory (loaded with local_files_only=True); "

@@ -1,0 +1,187 @@
+"""The KV pool: one model's paged K/V memory, shared by :class:`LLMEngine` and :class:`PagedKVCache`.
+
+It holds every layer's ``(key_cache, value_cache)`` pools ``[num_blocks, num_kv_heads, block_size,
+head_dim]``, the :class:`KVBlockManager` that hands their blocks out, and the three things that
+move K/V between blocks: copy-on-write copies, swap out to host memory and swap back in.
+
+The geometry (layers, kv heads, head_dim) is read from the model's own attention modules, not its
+config: a model whose attention was sharded across ranks holds only its share of the kv heads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+import minipaged_ops
+from minipaged_ops.block_manager import KVBlockManager
+
+from . import _compat
+
+__all__ = ["KVGeometry", "KVPool", "SwappedKV", "blocks_for_memory", "check_full_attention", "kv_geometry"]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int  # per layer, on this rank
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """K and V bytes of one block id across all layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * element
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention module of every decoder layer, in layer order: the modules with an int
+    ``layer_idx``, a ``head_dim`` and a ``k_proj`` (transformers' Llama-family attention)."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in _compat.unwrap_model(model).modules():
+        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "k_proj") and hasattr(module, "head_dim"):
+            found[module.layer_idx] = module
+    if not found or sorted(found) != list(range(len(found))):
+        raise ValueError(f"{type(model).__name__}: expected attention modules with layer_idx 0..n-1, a head_dim and "
+                         f"a k_proj; found layers {sorted(found)}")
+    return [found[i] for i in range(len(found))]
+
+
+def kv_geometry(model: torch.nn.Module) -> KVGeometry:
+    """Layers, kv heads and head_dim as the model's attention modules compute them (kv heads from
+    the rows of ``k_proj``'s weight, so a sharded projection gives this rank's share)."""
+    layers = attention_modules(model)
+    shapes = {(int(m.k_proj.weight.shape[0]) // int(m.head_dim), int(m.head_dim)) for m in layers}
+    if len(shapes) != 1:
+        raise ValueError(f"{type(model).__name__}: the layers differ in (kv heads, head_dim): {sorted(shapes)}")
+    num_kv_heads, head_dim = shapes.pop()
+    return KVGeometry(len(layers), num_kv_heads, head_dim)
+
+
+def check_full_attention(config, who: str) -> None:
+    """Raise ValueError naming the first layer that is not full attention (sliding windows are not
+    paged)."""
+    types = _compat.layer_types(config)
+    bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+    if bad:
+        i, t = bad[0]
+        raise ValueError(
+            f"{who} supports full-attention layers only; layer {i} is {t!r} ({len(bad)} of {len(types)} layers "
+            f"are not full attention, e.g. sliding_window={getattr(config, 'sliding_window', None)})")
+
+
+@dataclass(frozen=True)
+class SwappedKV:
+    """A sequence's blocks in host memory, ``[layers, blocks, kv_heads, block_size, head_dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class KVPool:
+    """Per-layer block pools of one model plus the block manager that hands their blocks out.
+
+    Args:
+        geometry: from :func:`kv_geometry` (the model's attention modules).
+        block_manager: hands out the pools' blocks (its ``num_blocks`` and ``block_size`` size them).
+        dtype, device: of the pools.
+        huge_pages: CPU pools in 2 MiB transparent huge pages (see ``allocate_kv_cache``).
+    """
+
+    def __init__(self, geometry: KVGeometry, block_manager: KVBlockManager, *, dtype: torch.dtype, device,
+                 huge_pages: bool = True):
+        self.geometry = geometry
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_manager = block_manager
+        shape = (block_manager.num_blocks, geometry.num_kv_heads, block_manager.block_size, geometry.head_dim)
+        # empty, not zeros: the kernels read only slots below seq_lens, which were written first
+        self.kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...] = tuple(
+            (minipaged_ops.allocate_kv_cache(shape, dtype, self.device, huge_pages),
+             minipaged_ops.allocate_kv_cache(shape, dtype, self.device, huge_pages))
+            for _ in range(geometry.num_layers))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.geometry.bytes_per_block(self.block_size, self.dtype)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.block_manager.num_free_blocks
+
+    def apply_copies(self) -> None:
+        """Run the copy-on-write copies the block manager asked for, on every layer: before any
+        K/V is written into the copies' destinations."""
+        copies = self.block_manager.take_copies()
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64).to(self.device)
+            for key_cache, value_cache in self.kv_caches:
+                minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
+
+    def swap_out(self, seq_id) -> SwappedKV:
+        """Copy a sequence's blocks to host memory and release it from the pool."""
+        blocks = torch.tensor(self.block_manager.block_table(seq_id), dtype=torch.int64).to(self.device)
+        swapped = SwappedKV(torch.stack([k.index_select(0, blocks) for k, _ in self.kv_caches]).cpu(),
+                            torch.stack([v.index_select(0, blocks) for _, v in self.kv_caches]).cpu())
+        self.block_manager.release_sequence(seq_id)
+        return swapped
+
+    def blocks_to_swap_in(self, token_ids) -> int:
+        """Blocks that :meth:`swap_in` of a sequence holding ``token_ids`` takes from the pool."""
+        return self.block_manager.blocks_needed_to_allocate([token_ids])
+
+    def swap_in(self, seq_id, token_ids, swapped: SwappedKV) -> None:
+        """Re-create a swapped-out sequence holding ``token_ids`` and copy its blocks back (blocks
+        the prefix cache still holds are reused, not copied)."""
+        bm = self.block_manager
+        cached = bm.create_sequence(seq_id, token_ids)
+        first = cached // self.block_size
+        blocks = torch.tensor(bm.block_table(seq_id)[first:], dtype=torch.int64).to(self.device)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            key_cache.index_copy_(0, blocks, swapped.keys[layer, first:].to(self.device))
+            value_cache.index_copy_(0, blocks, swapped.values[layer, first:].to(self.device))
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the pools never move (a compiled step then takes them as constants)."""
+        for key_cache, value_cache in self.kv_caches:
+            torch._dynamo.mark_static_address(key_cache)
+            torch._dynamo.mark_static_address(value_cache)
+
+    def usage(self) -> dict:
+        """The block manager's usage plus bytes: ``kv_bytes_used`` and ``kv_bytes_pool``."""
+        usage = dict(self.block_manager.usage())
+        usage["kv_bytes_used"] = usage["blocks_used"] * self.bytes_per_block
+        usage["kv_bytes_pool"] = self.num_blocks * self.bytes_per_block
+        return usage
+
+
+def blocks_for_memory(kv_cache_memory, bytes_per_block: int, device: torch.device, *, most: int, who: str) -> int:
+    """Blocks that fit in ``kv_cache_memory`` (bytes, or a fraction in (0, 1] of free memory:
+    device memory on CUDA, available RAM on CPU; None: 0.9 on CUDA, 0.2 on CPU), at most ``most``."""
+    if kv_cache_memory is None:
+        kv_cache_memory = 0.9 if device.type == "cuda" else 0.2
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or kv_cache_memory <= 0:
+        raise ValueError(f"{who}: kv_cache_memory must be bytes (int > 0) or a fraction in (0, 1], got {kv_cache_memory!r}")
+    if isinstance(kv_cache_memory, float):
+        if kv_cache_memory > 1:
+            raise ValueError(f"{who}: kv_cache_memory as a fraction must be in (0, 1], got {kv_cache_memory}")
+        kv_cache_memory = int(kv_cache_memory * _free_memory(device))
+    blocks = kv_cache_memory // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"{who}: kv_cache_memory={kv_cache_memory} bytes is less than one block ({bytes_per_block} bytes)")
+    return int(min(blocks, most))
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
