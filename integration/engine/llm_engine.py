@@ -258,25 +258,23 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         with self._step_lock:
             self._apply_commands()
-            outputs = [r.output() for r in self._ended]
-            self._ended = []
             scheduled: list = []
             snapshot = StepSnapshot(self.scheduler, self.stats_log)
             try:
                 self.scheduler.schedule(scheduled)
-                if not scheduled:
-                    return self._without_dropped(outputs)
-                snapshot.add_sequences(scheduled)
-                self.stats_log.counters["peak_blocks_used"] = max(self.stats_log.counters["peak_blocks_used"],
-                                                                  self.pool.blocks_in_use)
-                changed = self._run(scheduled)
-                outputs += [req.output() for req in changed]
+                changed = []
+                if scheduled:
+                    snapshot.add_sequences(scheduled)
+                    self.stats_log.counters["peak_blocks_used"] = max(self.stats_log.counters["peak_blocks_used"],
+                                                                      self.pool.blocks_in_use)
+                    changed = self._run(scheduled)
             except BaseException:
-                self._roll_back(scheduled, snapshot)
+                self._roll_back(scheduled, snapshot)  # requests ended before the step wait for the next one
                 raise
             for seq, _ in scheduled:
                 seq.request.failures = 0
-            return self._without_dropped(outputs)
+            ended, self._ended = self._ended, []
+            return self._without_dropped([req.output() for req in ended + changed])
 
     def _without_dropped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Outputs minus those of requests a failed generate() abandoned (whose ids are free once
