@@ -1,0 +1,256 @@
+"""``AsyncLLMEngine``: an :class:`LLMEngine` stepped by a thread of its own, for asyncio callers.
+
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained("/models/Qwen3-0.6B"))
+    async for piece in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
+        print(piece.outputs[0].text, end="")
+
+One thread owns the engine: every call into it (adding, aborting, statistics) is a command that
+the thread runs between two steps, so the engine is never entered from two threads. The thread
+sleeps on a condition while there is nothing to do. Each step's outputs are turned into pieces —
+what is new since the last piece of that request — and handed to the waiting coroutine's event
+loop. Leaving the ``async for`` early (a client gone, a task cancelled) aborts the request, which
+frees its blocks. If the thread dies, every waiter raises :class:`EngineDeadError` and
+:meth:`check_health` does too: nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable, Optional
+
+from .streams import CompletionDelta, EngineDeadError, RequestDelta, RequestStream
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLMEngine", "CompletionDelta", "EngineDeadError", "RequestDelta", "RequestStream"]
+
+
+class AsyncLLMEngine:
+    """Drives ``engine`` from a thread of its own. ``stat_loggers``: objects with
+    ``record(outputs, now)``, called in that thread after every step with the engine's
+    RequestOutputs (for metrics). A step that raises is retried (the engine rolls a failed step
+    back); ``max_step_failures`` failures in a row stop the thread."""
+
+    def __init__(self, engine, *, stat_loggers=(), max_step_failures: int = 3):
+        if isinstance(max_step_failures, bool) or not isinstance(max_step_failures, int) or max_step_failures < 1:
+            raise ValueError(f"AsyncLLMEngine: max_step_failures must be an int >= 1, got {max_step_failures!r}")
+        self.engine = engine
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.stat_loggers = list(stat_loggers)
+        self.max_step_failures = max_step_failures
+        self._wake = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = False
+        self._dead = False  # set once, under _wake, when the thread stops taking commands
+        self.error: Optional[BaseException] = None  # why the thread stopped
+        self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None, device=None, stat_loggers=(), **engine_args) -> "AsyncLLMEngine":
+        from .llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_pretrained(path, dtype=dtype, device=device, **engine_args), stat_loggers=stat_loggers)
+
+    # ------------------------------------------------------------------ the caller's side
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def add_stat_logger(self, stat_logger) -> None:
+        """Also call ``stat_logger.record(outputs, now)`` after every step from now on."""
+        with self._wake:
+            self.stat_loggers = [*self.stat_loggers, stat_logger]  # a new list: the thread may be iterating
+
+    def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine thread has stopped: {self.error!r}")
+
+    async def add_request(self, request_id: str, prompt, params, *, priority: int = 0) -> "RequestStream":
+        """Queue a request; returns its :class:`RequestStream` once the engine has taken it.
+        ``prompt``: token ids, or a str encoded with the engine's tokenizer. Raises ValueError
+        for a request the engine rejects (nothing queued), EngineDeadError if it has stopped."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("add_request: a text prompt needs an engine with a tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        stream = RequestStream(request_id, on_close=lambda: self._post(_Command(lambda: self._abort(request_id, stream))))
+
+        def add():
+            self.engine.add_request(request_id, prompt, params, priority=priority)
+            self._streams[request_id] = stream
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:  # it may have been added all the same: nobody will read it
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt, params, request_id: str, *, priority: int = 0) -> AsyncIterator[RequestDelta]:
+        """:meth:`add_request`, then yield a :class:`RequestDelta` whenever the request has new
+        tokens, the last one with ``finished=True``. Leaving the loop early, closing or cancelling
+        the iterator aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for piece in stream:
+                yield piece
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed); its iterator ends with finish_reason "abort"."""
+        await self._call(lambda: self._abort(request_id, self._streams.get(request_id), notify=True))
+
+    async def stats(self, window_s=None) -> dict:
+        """``engine.stats()``, taken in the engine thread between two steps."""
+        return await self._call(lambda: self.engine.stats() if window_s is None else self.engine.stats(window_s=window_s))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; waiters get EngineDeadError."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ commands
+
+    def _post(self, command: "_Command") -> None:
+        with self._wake:
+            if not self._dead:
+                self._commands.append(command)
+                self._wake.notify()
+                return
+        command.fail(self._dead_error())
+
+    async def _call(self, fn):
+        """Run ``fn`` in the engine thread; its result or exception comes back here."""
+        self.check_health()
+        command = _Command(fn, concurrent.futures.Future())
+        self._post(command)
+        return await asyncio.wrap_future(command.future)
+
+    def _dead_error(self) -> EngineDeadError:
+        error = EngineDeadError(f"the engine thread has stopped: {self.error!r}")
+        if not isinstance(self.error, EngineDeadError):
+            error.__cause__ = self.error
+        return error
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                with self._wake:
+                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command.run()
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception:
+                    failures += 1
+                    if failures >= self.max_step_failures:
+                        raise
+                    logger.exception("engine step failed (%d in a row); retrying", failures)
+                    continue
+                failures = 0
+                now = time.perf_counter()
+                for stat_logger in self.stat_loggers:
+                    try:
+                        stat_logger.record(outputs, now)
+                    except Exception:  # metrics must not stop the engine
+                        logger.exception("stat logger %r failed", stat_logger)
+                self._deliver(outputs)
+            self.error = EngineDeadError("the engine was shut down")
+        except BaseException as e:  # noqa: BLE001 (kept, then raised in every waiter)
+            logger.exception("the engine thread died")
+            self.error = e
+        finally:
+            self._fail_everyone()
+
+    def _abort(self, request_id: str, stream: Optional[RequestStream], notify: bool = False) -> None:
+        """Abort ``request_id`` if ``stream`` is still its consumer (an id can be reused once its
+        request is over, and then belongs to someone else)."""
+        if stream is None or self._streams.get(request_id) is not stream:
+            return
+        if not notify:
+            del self._streams[request_id]  # nobody listens any more
+        self.engine.abort_request(request_id)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            piece = stream.delta(out)
+            if piece is None:
+                continue
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, piece)
+            except RuntimeError:  # the consumer's event loop is closed: nobody will read it
+                self._streams.pop(out.request_id, None)
+                if not out.finished:
+                    self.engine.abort_request(out.request_id)
+
+    def _fail_everyone(self) -> None:
+        with self._wake:
+            self._dead = True
+            commands = list(self._commands)
+            self._commands.clear()
+        error = self._dead_error()
+        for command in commands:
+            command.fail(error)
+        for stream in list(self._streams.values()):
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:  # that loop is closed: nobody waits there
+                pass
+        self._streams.clear()
+
+
+class _Command:
+    """A call to run in the engine thread; with a future, its outcome goes back to the caller."""
+
+    def __init__(self, fn: Callable[[], object], future: Optional[concurrent.futures.Future] = None):
+        self.fn = fn
+        self.future = future
+
+    def run(self) -> None:
+        if self.future is None:
+            try:
+                self.fn()
+            except Exception:  # an abort of an id already gone, say: nobody to tell
+                logger.exception("engine command failed")
+            return
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # noqa: BLE001 (it is the caller's to handle)
+            self.future.set_exception(e)
+
+    def fail(self, error: BaseException) -> None:
+        if self.future is not None and not self.future.done():
+            try:
+                self.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                pass

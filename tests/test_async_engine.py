@@ -1,0 +1,223 @@
+"""AsyncLLMEngine: pieces as they are sampled, equal to the engine's own run; cancelling aborts and
+frees the blocks; an engine thread that dies fails every waiter (no hang); no busy loop when idle.
+Every wait is bounded by asyncio.wait_for."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from minipaged_ops.integration import LLMEngine, SamplingParams  # noqa: E402
+from minipaged_ops.integration.engine.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
+from minipaged_ops.tiny import tiny_model  # noqa: E402
+
+LIMIT = 60  # seconds any one wait may take
+PROMPTS = [[5, 9, 13, 40, 2, 77], list(range(3, 40)), [100] * 20]
+
+
+def make_engine(**kwargs):
+    model = tiny_model("qwen3", vocab=192, layers=2, seed=3)
+    return LLMEngine(model, num_blocks=kwargs.pop("num_blocks", 64), block_size=16, **kwargs)
+
+
+async def collect(engine, prompt, params, request_id):
+    pieces = []
+    async for piece in engine.generate(prompt, params, request_id):
+        pieces.append(piece)
+    return pieces
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+class Finishes:
+    """A stat logger: how each request ended, as the engine reported it."""
+
+    def __init__(self):
+        self.reasons = {}
+
+    def record(self, outputs, now):
+        for out in outputs:
+            if out.finished:
+                self.reasons[out.request_id] = [c.finish_reason for c in out.outputs]
+
+
+@pytest.fixture
+def engine():
+    engine = AsyncLLMEngine(make_engine(), stat_loggers=[Finishes()])
+    yield engine
+    engine.shutdown()
+
+
+async def wait_aborted(engine, request_id):
+    """Until the engine has reported ``request_id`` aborted and holds no block (bounded)."""
+    finishes = engine.stat_loggers[0]
+    for _ in range(500):
+        stats = await engine.stats()
+        if finishes.reasons.get(request_id) == ["abort"] and stats["blocks_used"] == 0 and stats["running"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{request_id} not aborted: {finishes.reasons.get(request_id)}, {stats}")
+
+
+def test_pieces_concatenate_to_the_engines_own_output(engine):
+    params = SamplingParams(max_tokens=12)
+    reference = make_engine().generate(PROMPTS, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(PROMPTS)))
+
+    for pieces, ref in zip(run(main()), reference):
+        assert len(pieces) > 1, "one piece per step, not one at the end"
+        assert all(len(p.outputs[0].token_ids) >= 1 for p in pieces[:-1])
+        tokens = [t for p in pieces for c in p.outputs for t in c.token_ids]
+        assert tokens == ref.outputs[0].token_ids
+        assert [p.finished for p in pieces] == [False] * (len(pieces) - 1) + [True]
+        assert pieces[-1].outputs[0].finish_reason == "length"
+        assert pieces[-1].outputs[0].num_tokens == 12
+
+
+def test_n_completions_and_logprobs_arrive_per_completion(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=2)
+    ref = make_engine().generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    pieces = run(collect(engine, PROMPTS[0], params, "n3"))
+    for c_ref in ref.outputs:
+        got = [c for p in pieces for c in p.outputs if c.index == c_ref.index]
+        assert [t for c in got for t in c.token_ids] == c_ref.token_ids
+        logprobs = [lp for c in got for lp in c.logprobs]
+        assert len(logprobs) == len(c_ref.token_ids)
+        assert logprobs == c_ref.logprobs
+
+
+def test_leaving_early_aborts_and_frees_every_block(engine):
+    async def main():
+        got = 0
+        async for piece in engine.generate(PROMPTS[1], SamplingParams(max_tokens=400), "leaver"):
+            got += len(piece.outputs[0].token_ids)
+            if got >= 3:
+                break  # the iterator is dropped, and closed
+        await wait_aborted(engine, "leaver")
+
+    run(main())
+
+
+def test_cancelled_task_aborts(engine):
+    async def main():
+        task = asyncio.ensure_future(collect(engine, PROMPTS[1], SamplingParams(max_tokens=400), "cancelled"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_aborted(engine, "cancelled")
+
+    run(main())
+
+
+def test_abort_ends_the_iterator_with_abort(engine):
+    async def main():
+        reasons = []
+        async for piece in engine.generate(PROMPTS[0], SamplingParams(max_tokens=400), "to-abort"):
+            if not piece.finished:
+                await engine.abort("to-abort")
+            reasons += [c.finish_reason for c in piece.outputs]
+        return reasons
+
+    reasons = run(main())
+    assert reasons[-1] == "abort"
+    assert run(engine.stats())["blocks_used"] == 0
+
+
+def test_rejected_request_raises_and_queues_nothing(engine):
+    async def main():
+        first = engine.generate(PROMPTS[0], SamplingParams(max_tokens=200), "dup")
+        piece = await first.__anext__()  # "dup" is running now
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, PROMPTS[1], SamplingParams(max_tokens=5), "dup")
+        with pytest.raises(ValueError, match="empty"):
+            await collect(engine, [], SamplingParams(max_tokens=5), "empty")
+        rest = [piece] + [p async for p in first]  # the first one is untouched by the refused duplicate
+        return rest
+
+    pieces = run(main())
+    assert pieces[-1].finished and pieces[-1].outputs[0].finish_reason == "length"
+    assert sum(len(c.token_ids) for p in pieces for c in p.outputs) == 200
+
+
+def test_idle_thread_sleeps_instead_of_polling():
+    llm = make_engine()
+    calls = {"n": 0}
+    real = llm.has_unfinished_requests
+
+    def counted():
+        calls["n"] += 1
+        return real()
+
+    llm.has_unfinished_requests = counted
+    engine = AsyncLLMEngine(llm)
+    try:
+        run(collect(engine, PROMPTS[0], SamplingParams(max_tokens=4), "one"))
+        time.sleep(0.1)
+        before = calls["n"]
+        time.sleep(0.5)
+        assert calls["n"] - before <= 2, f"{calls['n'] - before} checks in 0.5 s of idleness: a busy loop"
+        run(collect(engine, PROMPTS[0], SamplingParams(max_tokens=4), "two"))  # and it wakes up for work
+    finally:
+        engine.shutdown()
+
+
+def test_a_transient_step_failure_is_retried():
+    llm = make_engine()
+    ref = make_engine().generate([PROMPTS[2]], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    real, failed = llm.step, []
+
+    def flaky():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("transient")
+        return real()
+
+    llm.step = flaky
+    engine = AsyncLLMEngine(llm)
+    try:
+        pieces = run(collect(engine, PROMPTS[2], SamplingParams(max_tokens=8), "flaky"))
+        assert [t for p in pieces for t in p.outputs[0].token_ids] == ref.outputs[0].token_ids
+        engine.check_health()
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_engine_thread_fails_every_waiter_and_health():
+    llm = make_engine()
+    real, started = llm.step, threading.Event()
+
+    def broken():
+        if started.is_set():
+            raise RuntimeError("the device fell off")
+        return real()
+
+    llm.step = broken
+    engine = AsyncLLMEngine(llm, max_step_failures=2)
+
+    async def main():
+        waiters = [asyncio.ensure_future(collect(engine, p, SamplingParams(max_tokens=300), f"w{i}"))
+                   for i, p in enumerate(PROMPTS)]
+        await asyncio.sleep(0.05)
+        started.set()
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError):  # a new request fails at once
+            await collect(engine, PROMPTS[0], SamplingParams(max_tokens=2), "late")
+        with pytest.raises(EngineDeadError):
+            await engine.stats()
+
+    try:
+        run(main())
+        with pytest.raises(EngineDeadError, match="the device fell off"):
+            engine.check_health()
+        assert not engine.is_running
+    finally:
+        engine.shutdown()
