@@ -122,6 +122,18 @@ class LLMEngine:
         self._dropped: set[str] = set()  # generate() requests abandoned by an exception: never reported
         self.stats_log = StatsLog()
 
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None, device=None, **engine_args) -> "LLMEngine":
+        """An engine on the model and tokenizer in the local folder ``path`` (``AutoModelForCausalLM``
+        + ``AutoTokenizer``, nothing downloaded; see :func:`.loading.load_pretrained`). ``dtype``:
+        None keeps the checkpoint's; ``device``: None is CUDA when there is one. ``engine_args`` are
+        this constructor's (a ``tokenizer=`` given there replaces the folder's)."""
+        from .loading import load_pretrained
+
+        model, tokenizer = load_pretrained(path, dtype=dtype, device=device)
+        engine_args.setdefault("tokenizer", tokenizer)
+        return cls(model, **engine_args)
+
     # ------------------------------------------------------------------ the pool, for readers
 
     @property
