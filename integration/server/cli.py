@@ -1,0 +1,62 @@
+"""``python -m minipaged_ops.serve --model DIR`` (and ``minipaged serve``): load a model folder,
+start the engine thread and serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="An OpenAI-compatible server on minipaged's LLMEngine.")
+    p.add_argument("--model", required=True, help="a local model folder (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    e = p.add_argument_group("engine (LLMEngine's arguments)")
+    e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --kv-cache-memory)")
+    e.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="bytes (> 1) or a fraction of free memory (<= 1) for the KV cache")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    e.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def engine_args(args) -> dict:
+    kwargs = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+                  preemption_mode=args.preemption_mode, seed=args.seed)
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = args.kv_cache_memory if args.kv_cache_memory <= 1 else int(args.kv_cache_memory)
+    return kwargs
+
+
+def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
+    import uvicorn
+
+    from ..engine import LLMEngine
+    from ..engine.async_engine import AsyncLLMEngine
+    from .app import build_app
+
+    args = parser(prog).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,
+                                        device=args.device, **engine_args(args))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    engine = AsyncLLMEngine(llm)
+    app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0

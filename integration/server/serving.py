@@ -1,0 +1,196 @@
+"""From an OpenAI request to engine requests: the model name, the prompts as token ids (vLLM's
+rules: ``tokenizer.encode(text)`` with the tokenizer's defaults, a chat through
+``apply_chat_template(messages, add_generation_prompt=True)``), the SamplingParams, and the
+pieces of every prompt's generation merged into one stream. Everything is checked before the
+first request reaches the engine, so a bad request changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import uuid
+from typing import AsyncIterator, Optional
+
+from ..engine import SamplingParams
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields, message_dicts
+
+# request field -> SamplingParams field, for the fields passed through when set
+_PASSED = ("n", "seed", "presence_penalty", "frequency_penalty", "top_p", "min_p", "repetition_penalty", "min_tokens",
+           "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "temperature")
+
+
+class Serving:
+    """What the endpoints share: the engine, its tokenizer and the model's limits."""
+
+    def __init__(self, engine, served_model_name: str, *, max_model_len: int, vocab_size: int,
+                 default_sampling: Optional[dict] = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        # the model's generation_config sets the defaults of what a request leaves out, as in vLLM
+        self.default_sampling = dict(default_sampling or {})
+        self._params_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ checks and prompts
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.served_model_name:
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{self.served_model_name}`.",
+                               "model")
+
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError("prompt must not be empty", "prompt")
+        prompts = []
+        for i, p in enumerate(prompt):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            where = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+            if not ids:
+                raise RequestError(f"{where} must not be empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}", "prompt")
+            self._check_length(len(ids), "prompt")
+            prompts.append(ids)
+        return prompts
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        if not request.messages:
+            raise RequestError("messages must not be empty", "messages")
+        ids = self.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt,
+                                       request.chat_template_kwargs or {})
+        self._check_length(len(ids), "messages")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, kwargs=None) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(kwargs or {}))
+        except Exception as e:  # a template that raises on these messages (jinja's raise_exception)
+            raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _check_length(self, n: int, param: str) -> None:
+        if n >= self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                               f"{n} tokens, leaving no room for a completion.", param)
+
+    # ------------------------------------------------------------------ sampling parameters
+
+    def sampling_params(self, request: SamplingFields, prompt_len: int, logprobs: Optional[int],
+                        max_tokens: Optional[int]) -> SamplingParams:
+        if request.echo if isinstance(request, CompletionRequest) else False:
+            raise RequestError("echo is not supported", "echo")
+        if isinstance(request, CompletionRequest) and request.suffix is not None:
+            raise RequestError("suffix is not supported", "suffix")
+        room = self.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        kwargs = {"temperature": 1.0, **self.default_sampling}  # OpenAI's default: sampling
+        given = request.model_fields_set
+        kwargs.update({name: getattr(request, name) for name in _PASSED
+                       if name in given and getattr(request, name) is not None})
+        kwargs["max_tokens"] = min(max_tokens, room) if max_tokens is not None else room
+        if request.top_k is not None:
+            kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k
+        if request.stop is not None:
+            stop = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+            if stop:
+                kwargs["stop"] = stop
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        defaults = type(request).model_fields
+        for name in set(kwargs) - self._params_fields:  # asked for the default: nothing to support
+            if name in defaults and kwargs[name] == defaults[name].default:
+                del kwargs[name]
+        unsupported = sorted(set(kwargs) - self._params_fields)
+        if unsupported:
+            raise RequestError(f"{unsupported[0]} is not supported by this engine", unsupported[0])
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            match = re.search(r"SamplingParams: (\w+)", str(e))
+            raise RequestError(str(e), match.group(1) if match else None) from None
+
+    # ------------------------------------------------------------------ running
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (for logprobs), cached."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, priority: int, prefix: str) -> list:
+        """Queue one engine request per prompt; their RequestStreams. If the engine refuses one
+        (or has stopped), those already queued are aborted and the error raised: before any
+        response has begun, so it still becomes an HTTP error."""
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        streams = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{base}-{i}", p, params, priority=priority))
+        except ValueError as e:  # what only the engine knows (n > max_num_seqs, say)
+            close_all(streams)
+            message = str(e)
+            param = next((name for name in ("n", "priority", "prompt") if re.search(rf"\b{name}\b", message)), None)
+            raise RequestError(message, param) from None
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+
+def close_all(streams) -> None:
+    """Abort whichever of ``streams`` has not finished (idempotent)."""
+    for s in streams:
+        s.close()
+
+
+async def merge(streams) -> AsyncIterator[tuple[int, object]]:
+    """``(prompt index, RequestDelta)`` of every stream as pieces come. Leaving the iteration (or
+    an error) aborts every request still running."""
+    try:
+        if len(streams) == 1:
+            async for piece in streams[0]:
+                yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, stream):
+            try:
+                async for piece in stream:
+                    queue.put_nowait((i, piece))
+                queue.put_nowait((i, done))
+            except Exception as e:  # noqa: BLE001 (re-raised by the consumer below)
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        close_all(streams)
