@@ -1,16 +1,18 @@
 """Prometheus metrics under vLLM's names with a ``minipaged:`` prefix, from prometheus-client.
 
-Counters and histograms are fed by :meth:`ServerMetrics.record`, which the engine thread calls
-after every step with that step's RequestOutputs; the gauges (and the preemption count) are read
-from ``engine.stats()`` when ``/metrics`` is scraped."""
+The engine keeps its own counts (tokens, prefix-cache lookups, preemptions) and queue lengths:
+they are read from ``engine.stats()`` when ``/metrics`` is scraped, so there is one source of
+truth. What it does not keep per token — the latency histograms and finished requests by reason —
+comes from :meth:`ServerMetrics.record`, which the engine thread calls after every step with that
+step's RequestOutputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "minipaged:"
 # vLLM's buckets (seconds)
@@ -22,9 +24,23 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# engine.stats() key -> (metric name, type, help)
+FROM_STATS = {
+    "running": ("num_requests_running", "gauge", "Requests with sequences in the running batch."),
+    "waiting": ("num_requests_waiting", "gauge", "Requests waiting (or swapped out) to be scheduled."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gauge",
+                            "KV-cache usage: blocks referenced by live sequences / all blocks (1 = full)."),
+    "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens of requests that produced a token."),
+    "generation_tokens": ("generation_tokens", "counter", "Generated tokens."),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
+    "preemptions": ("num_preemptions", "counter", "Preemptions of running sequences."),
+}
+
+
 @dataclass
 class _Seen:
-    """What the metrics have counted of one request so far."""
+    """What the metrics have seen of one request so far."""
 
     tokens: int = 0
     last_token_time: Optional[float] = None
@@ -44,18 +60,6 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests with sequences in the running batch.",
-                             labels, registry=r).labels(model_name)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting (or swapped out) to be scheduled.",
-                             labels, registry=r).labels(model_name)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
-                              "KV-cache usage: blocks referenced by live sequences / all blocks (1 = full).",
-                              labels, registry=r).labels(model_name)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a token.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.").labels(model_name)
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(model_name)
         self.success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's successive tokens.",
@@ -64,8 +68,8 @@ class ServerMetrics:
                              REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.model_name = model_name
-        self.preemptions = 0
-        r.register(_PreemptionCollector(self))
+        self.stats: dict = {}  # the last engine.stats() (see update_from_stats)
+        r.register(_FromStats(self))
         self._seen: dict[str, _Seen] = {}
 
     def record(self, outputs, now: float) -> None:
@@ -76,17 +80,12 @@ class ServerMetrics:
             m = out.metrics
             if tokens > seen.tokens:
                 if seen.last_token_time is None:  # the first token(s) of this request
-                    prompt = len(out.prompt_token_ids)
-                    self.prompt_tokens.inc(prompt)
-                    self.prefix_queries.inc(prompt)
-                    self.prefix_hits.inc(m.num_cached_tokens)
                     if m.first_token_time is not None:
                         self.ttft.observe(m.first_token_time - m.arrival_time)
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
                 else:
                     self.itl.observe(now - seen.last_token_time)
-                self.generation_tokens.inc(tokens - seen.tokens)
                 seen.tokens, seen.last_token_time = tokens, now
             if out.finished:
                 del self._seen[out.request_id]
@@ -98,26 +97,24 @@ class ServerMetrics:
                     self.e2e.observe(m.finished_time - m.arrival_time)
 
     def update_from_stats(self, stats: dict) -> None:
-        """The gauges from ``engine.stats()`` (taken just before a scrape)."""
-        self.running.set(stats.get("running", 0))
-        self.waiting.set(stats.get("waiting", 0) + stats.get("swapped", 0))
+        """Take ``engine.stats()`` (just before a scrape)."""
         total = stats.get("blocks_total") or 0
-        self.kv_usage.set(stats.get("blocks_used", 0) / total if total else 0.0)
-        self.preemptions = int(stats.get("preemptions", 0))
+        self.stats = {**stats, "waiting": stats.get("waiting", 0) + stats.get("swapped", 0),
+                      "kv_cache_usage_perc": stats.get("blocks_used", 0) / total if total else 0.0}
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _PreemptionCollector:
-    """``num_preemptions`` is the engine's own running count, read at scrape time (a request's
-    preemptions happen while it runs, so counting them at its finish would lag)."""
+class _FromStats:
+    """The metrics of :data:`FROM_STATS`, read from the last ``engine.stats()`` at scrape time."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def collect(self):
-        family = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions of running sequences.",
-                                     labels=["model_name"])
-        family.add_metric([self.metrics.model_name], self.metrics.preemptions)
-        yield family
+        for key, (name, kind, doc) in FROM_STATS.items():
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(PREFIX + name, doc,
+                                                                                       labels=["model_name"])
+            family.add_metric([self.metrics.model_name], self.metrics.stats.get(key, 0))
+            yield family
