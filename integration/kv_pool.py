@@ -123,15 +123,11 @@ class KVPool:
         K/V is written into the copies' destinations."""
         copies = self.block_manager.take_copies()
         if copies:
-            mapping = torch.tensor(copies, dtype=torch.int64).to(self.device)
-            for key_cache, value_cache in self.kv_caches:
-                minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
+            self.copy_blocks(copies)
 
     def swap_out(self, seq_id) -> SwappedKV:
         """Copy a sequence's blocks to host memory and release it from the pool."""
-        blocks = torch.tensor(self.block_manager.block_table(seq_id), dtype=torch.int64).to(self.device)
-        swapped = SwappedKV(torch.stack([k.index_select(0, blocks) for k, _ in self.kv_caches]).cpu(),
-                            torch.stack([v.index_select(0, blocks) for _, v in self.kv_caches]).cpu())
+        swapped = self.read_blocks(self.block_manager.block_table(seq_id))
         self.block_manager.release_sequence(seq_id)
         return swapped
 
@@ -145,7 +141,26 @@ class KVPool:
         bm = self.block_manager
         cached = bm.create_sequence(seq_id, token_ids)
         first = cached // self.block_size
-        blocks = torch.tensor(bm.block_table(seq_id)[first:], dtype=torch.int64).to(self.device)
+        self.write_blocks(bm.block_table(seq_id)[first:], swapped, first)
+
+    # The K/V moves themselves, by block id. Everything that moves K/V between blocks goes through
+    # these three: a tensor-parallel driver's pool records them for its workers to replay.
+
+    def copy_blocks(self, copies) -> None:
+        """Copy block ``src`` to block ``dst`` for every ``(src, dst)`` of ``copies``, all layers."""
+        mapping = torch.tensor(copies, dtype=torch.int64).to(self.device)
+        for key_cache, value_cache in self.kv_caches:
+            minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
+
+    def read_blocks(self, block_ids) -> SwappedKV:
+        """The blocks' K/V of every layer, copied to host memory."""
+        blocks = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        return SwappedKV(torch.stack([k.index_select(0, blocks) for k, _ in self.kv_caches]).cpu(),
+                         torch.stack([v.index_select(0, blocks) for _, v in self.kv_caches]).cpu())
+
+    def write_blocks(self, block_ids, swapped: SwappedKV, first: int = 0) -> None:
+        """Write ``swapped``'s blocks ``first ..`` (host copies from :meth:`read_blocks`) into ``block_ids``."""
+        blocks = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
             key_cache.index_copy_(0, blocks, swapped.keys[layer, first:].to(self.device))
             value_cache.index_copy_(0, blocks, swapped.values[layer, first:].to(self.device))

@@ -66,6 +66,8 @@ class LLMEngine:
         tokenizer: gives each completion its ``text`` and enables ``SamplingParams.stop`` strings.
     """
 
+    kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
+
     def __init__(self, model, num_blocks: Optional[int] = None, block_size: int = 16, *,
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
@@ -99,7 +101,7 @@ class LLMEngine:
         elif not _is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"LLMEngine: num_blocks must be a positive int or None, got {num_blocks!r}")
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.pool = KVPool(geometry, block_manager, dtype=self.dtype, device=self.device)
+        self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.dtype, device=self.device)
         self.max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
@@ -123,16 +125,34 @@ class LLMEngine:
         self.stats_log = StatsLog()
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, device=None, **engine_args) -> "LLMEngine":
+    def from_pretrained(cls, path, *, dtype=None, device=None, tensor_parallel_size: int = 1,
+                        **engine_args) -> "LLMEngine":
         """An engine on the model and tokenizer in the local folder ``path`` (``AutoModelForCausalLM``
         + ``AutoTokenizer``, nothing downloaded; see :func:`.loading.load_pretrained`). ``dtype``:
         None keeps the checkpoint's; ``device``: None is CUDA when there is one. ``engine_args`` are
-        this constructor's (a ``tokenizer=`` given there replaces the folder's)."""
+        this constructor's (a ``tokenizer=`` given there replaces the folder's).
+        ``tensor_parallel_size=N > 1``: the engine of rank 0 of N processes, each holding 1/N of the
+        model and of the KV cache (``num_blocks`` and ``kv_cache_memory`` per rank; see
+        :func:`..distributed.start_engine`)."""
+        if tensor_parallel_size != 1:
+            from ..distributed import start_engine
+
+            return start_engine(path, tensor_parallel_size, dtype=dtype, device=device, **engine_args)
         from .loading import load_pretrained
 
         model, tokenizer = load_pretrained(path, dtype=dtype, device=device)
         engine_args.setdefault("tokenizer", tokenizer)
         return cls(model, **engine_args)
+
+    def shutdown(self) -> None:
+        """Release what the engine started outside this process (a tensor-parallel engine's
+        workers); nothing to do for a single-process engine. Also on leaving a ``with`` block."""
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ the pool, for readers
 
