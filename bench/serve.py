@@ -73,6 +73,9 @@ def parse_args(argv=None):
                    help="KV blocks for the engine and transformers' CB (default: all requests fit at once)")
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1 adds the row 'engine tp=N': the engine over N processes on this machine "
+                        "(gloo), each with 1/N of the heads and of the KV cache; plus memory and collectives per rank")
     s.add_argument("--systems", default="engine,transformers,static,roof",
                    help="comma-separated subset of engine,transformers,static,roof")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -194,15 +197,18 @@ def sampling(args) -> dict:
 # ---------------------------------------------------------------------------------- systems
 
 
-def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True) -> RunResult:
+def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None) -> RunResult:
+    """``make_engine(**engine_args)``: another way to build the engine (a tensor-parallel one);
+    default ``LLMEngine(model, ...)``. The engine is shut down at the end."""
     from minipaged_ops.integration import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model, num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    engine_args = dict(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=prefix_caching)
+    engine = make_engine(**engine_args) if make_engine else LLMEngine(model, **engine_args)
     bm = engine.block_manager
     timelines: dict[str, Timeline] = {}
     blocks = []
-    timer = ModelTimer(model)
+    timer = ModelTimer(engine.model)
     bar = progress(len(requests), desc, args)
     pending = sorted(requests, key=lambda r: r.arrival)
     i, busy, start = 0, 0.0, time.perf_counter()
@@ -232,10 +238,60 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
                     bar.update(1)
             blocks.append((t - start, bm.num_blocks - bm.num_free_blocks))
         wall = time.perf_counter() - start
+        stats = dict(engine.stats(), memory_per_rank=memory_per_rank(engine))
     finally:
         timer.close()
         bar.close()
-    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks, dict(engine.stats()), busy)
+        engine.shutdown()
+    return RunResult(desc, wall, timelines, timer.seconds, timer.tokens, blocks, stats, busy)
+
+
+def memory_per_rank(engine) -> dict:
+    """Bytes one rank holds: its parameters, its KV pool, its peak KV in use, and a worker
+    process's private memory (``RssAnon``: torch itself included, the memory-mapped checkpoint
+    not); rank 0 is this process."""
+    stats = engine.stats()
+    params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    private = None
+    for pid in getattr(engine, "worker_pids", ()):
+        with open(f"/proc/{pid}/status") as f:
+            private = max(private or 0, next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon")))
+    return dict(params=params, kv_pool=stats.get("kv_bytes_per_rank", engine.num_blocks * engine.kv_bytes_per_block),
+                peak_kv=stats["peak_kv_bytes"], worker_private=private)
+
+
+def tensor_parallel_factory(model, args, folder: str):
+    """Saves ``model`` (and a tokenizer, which loading wants) to ``folder``; returns a
+    ``make_engine`` that starts a tensor-parallel engine of ``--tensor-parallel-size`` ranks on it."""
+    from minipaged_ops.integration.distributed import start_engine
+    from minipaged_ops.tiny import tiny_tokenizer
+
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return lambda **engine_args: start_engine(folder, args.tensor_parallel_size, dtype=args.dtype, device="cpu",
+                                              **engine_args)
+
+
+def print_tensor_parallel(results: list) -> None:
+    """Memory per rank and time in collectives, for each engine row."""
+    print("\nper rank (MiB; rank 0 is this process, which also holds the other systems' model) and collectives:")
+    mib = 1 << 20
+    for r in results:
+        m = r.stats.get("memory_per_rank")
+        if m is None:
+            continue
+        line = (f"  {r.system:<22} params {m['params'] / mib:8.1f}   KV pool {m['kv_pool'] / mib:8.1f}   "
+                f"peak KV {m['peak_kv'] / mib:8.1f}")
+        if m["worker_private"]:
+            line += f"   worker private memory {m['worker_private'] / mib:8.1f}"
+        collectives = r.stats.get("collective_seconds")
+        steps = max(1, r.stats["steps"])
+        if collectives:
+            total = collectives["broadcast"] + collectives["model"]
+            line += (f"\n  {'':<22} collectives {total / steps * 1e3:.2f} ms/step of {(r.busy or r.wall) / steps * 1e3:.2f} "
+                     f"({total / (r.busy or r.wall):.0%}; broadcast {collectives['broadcast'] / steps * 1e3:.2f}, "
+                     f"all-reduces + gather {collectives['model'] / steps * 1e3:.2f}) over {steps} steps")
+        print(line)
 
 
 def run_transformers_cb(model, requests, args, num_blocks, desc="transformers") -> RunResult:
@@ -537,10 +593,18 @@ def main(argv=None) -> int:
         "transformers": lambda reqs, blocks: run_transformers_cb(model, reqs, args, blocks),
         "static": lambda reqs, blocks: run_static(model, reqs, args),
     }
+    tp_folder = None
+    if args.tensor_parallel_size > 1 and "engine" in systems:
+        import tempfile
+
+        tp_folder = tempfile.mkdtemp(prefix="serve-tp-")
+        make_tp = tensor_parallel_factory(model, args, tp_folder)
+        runners[f"engine tp={args.tensor_parallel_size}"] = lambda reqs, blocks: run_engine(
+            model, reqs, args, blocks, desc=f"engine tp={args.tensor_parallel_size}", make_engine=make_tp)
     if args.system_prompt and "engine" in systems:
         runners["engine, no prefix caching"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, no prefix caching", prefix_caching=False)
-    order = [s for s in runners if s.split(",")[0] in systems]
+    order = [s for s in runners if s.split(",")[0].split()[0] in systems]
 
     warm = make_workload(args, vocab, args.seed + 1000, count=min(4, args.requests))
     warm = [Request(r.request_id, r.prompt, min(r.max_tokens, 4), 0.0) for r in warm]
@@ -592,6 +656,11 @@ def main(argv=None) -> int:
         print(f"  of the shared {args.system_prompt}-token system prompt: {with_pc - own} tokens computed vs "
               f"{without - own} without ({1 - (with_pc - own) / (without - own):.0%} fewer; the best possible is "
               f"computing it once, {args.system_prompt} tokens, {1 - args.system_prompt / (without - own):.0%} fewer)")
+    if tp_folder is not None:
+        import shutil
+
+        print_tensor_parallel(results)
+        shutil.rmtree(tp_folder, ignore_errors=True)
     if "engine" in by_name:
         from minipaged_ops.integration.demo import format_report
 
