@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_engine(model_dir):
-    engine = start_engine(model_dir, 2, dtype="float32", device="cpu", **ENGINE_ARGS)
+    engine = start_engine(model_dir, 2, dtype="float32", device="cpu", tokenizer=None, **ENGINE_ARGS)
     yield engine
     engine.shutdown()
     _assert_no_children()
@@ -45,8 +45,8 @@ def tp_engine(model_dir):
 
 @pytest.fixture(scope="module")
 def single_engine(model_dir):
-    model, tokenizer = load_pretrained(model_dir, dtype="float32", device="cpu")
-    return LLMEngine(model, tokenizer=tokenizer, **ENGINE_ARGS)
+    model, _ = load_pretrained(model_dir, dtype="float32", device="cpu")
+    return LLMEngine(model, **ENGINE_ARGS)
 
 
 def _state(pid: int) -> tuple[int, str] | None:
@@ -117,7 +117,7 @@ def test_kv_heads_must_divide(model_dir):
 
 @pytest.mark.parametrize("failure", ["kill", "hang"])
 def test_failed_worker_raises_not_hangs(model_dir, failure):
-    engine = start_engine(model_dir, 2, dtype="float32", device="cpu", num_blocks=16, timeout_s=3.0)
+    engine = start_engine(model_dir, 2, dtype="float32", device="cpu", tokenizer=None, num_blocks=16, timeout_s=3.0)
     try:
         assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
         (pid,) = engine.worker_pids
@@ -134,7 +134,7 @@ def test_failed_worker_raises_not_hangs(model_dir, failure):
 
 
 def test_shutdown_context_manager_and_exit_leave_no_process(model_dir):
-    with start_engine(model_dir, 2, dtype="float32", device="cpu", num_blocks=16) as engine:
+    with start_engine(model_dir, 2, dtype="float32", device="cpu", tokenizer=None, num_blocks=16) as engine:
         (pid,) = engine.worker_pids
         assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     _assert_no_children()
@@ -143,7 +143,7 @@ def test_shutdown_context_manager_and_exit_leave_no_process(model_dir):
     # interpreter exit without shutdown(): the worker goes too
     script = textwrap.dedent(f"""
         from minipaged_ops.integration.distributed import start_engine
-        engine = start_engine({model_dir!r}, 2, dtype="float32", device="cpu", num_blocks=16)
+        engine = start_engine({model_dir!r}, 2, dtype="float32", device="cpu", num_blocks=16, tokenizer=None)
         print(engine.worker_pids[0], flush=True)
     """)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -159,7 +159,7 @@ TORCHRUN_SCRIPT = """
 import json, sys
 from minipaged_ops.integration import SamplingParams
 from minipaged_ops.integration.distributed import start_engine
-engine = start_engine(sys.argv[1], 2, dtype="float32", device="cpu", num_blocks=16)  # rank 1 serves, then exits
+engine = start_engine(sys.argv[1], 2, dtype="float32", device="cpu", num_blocks=16, tokenizer=None)  # rank 1 serves, then exits
 out = engine.generate([json.loads(sys.argv[2])], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 print("TOKENS", json.dumps(out[0].outputs[0].token_ids), flush=True)
 engine.shutdown()
@@ -167,8 +167,9 @@ engine.shutdown()
 
 
 def test_torchrun_two_nodes_on_loopback(model_dir, tmp_path):
-    """``torchrun --nnodes 2 --nproc-per-node 1`` twice on this machine, rendezvous on loopback:
-    node 0's rank drives, node 1's serves its steps; the request's tokens equal one process's."""
+    """``torchrun --nnodes 2 --nproc-per-node 1`` twice on this machine, rendezvous on loopback, with
+    the engine alone (no HTTP): node 0's rank drives, node 1's serves its steps; the request's
+    tokens equal one process's."""
     from minipaged_ops.integration.distributed.group import free_port
 
     script = tmp_path / "tp_script.py"
@@ -203,13 +204,72 @@ def test_one_rank_nccl_group_on_gpu(model_dir):
     with the tokens of the single-process engine."""
     prompt = _prompts(seed=6)["b"]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    with start_engine(model_dir, 1, dtype="float32", device="cuda", num_blocks=16) as engine:
+    with start_engine(model_dir, 1, dtype="float32", device="cuda", num_blocks=16, tokenizer=None) as engine:
         assert engine.model.device.type == "cuda"
         got = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert engine.stats()["collective_seconds"]["model"] > 0
     model, _ = load_pretrained(model_dir, dtype="float32", device="cuda")
     want = LLMEngine(model, num_blocks=16).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
+
+
+def _get(url: str, timeout: float = 5.0):
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, response.read()
+
+
+def _post_json(url: str, body: dict, timeout: float = 60.0) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_torchrun_two_nodes_serve_one_request(model_dir):
+    """``torchrun --nnodes 2 --nproc-per-node 1 -m minipaged_ops.serve ... --tensor-parallel-size 2``
+    twice on this machine, rendezvous on loopback: node 0's rank serves HTTP, node 1's serves its
+    steps; one greedy request gets the single-process engine's tokens, and stopping node 0 ends
+    node 1 cleanly."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("minipaged_ops.integration.engine.detokenizer", reason="the server needs issue 22's detokenizer")
+    from minipaged_ops.integration.distributed.group import free_port
+
+    prompt = _prompts(seed=5)["b"]
+    port, http = free_port(), free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "minipaged_ops.serve", "--model", model_dir, "--tensor-parallel-size", "2",
+                               "--dtype", "float32", "--device", "cpu", "--num-blocks", "16", "--port", str(http),
+                               "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # bounded: until the server answers, a node exits, or the deadline
+            assert all(n.poll() is None for n in nodes), [n.communicate()[0][-3000:] for n in nodes]
+            assert time.monotonic() < deadline, "the server did not come up within 180 s"
+            try:
+                if _get(f"http://127.0.0.1:{http}/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        reply = _post_json(f"http://127.0.0.1:{http}/v1/completions",
+                           {"model": model_dir, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        os.killpg(nodes[0].pid, signal.SIGTERM)  # stop the server: its engine stops rank 1
+        assert nodes[1].wait(60) == 0, (nodes[0].communicate()[0][-5000:], nodes[1].communicate()[0][-1000:])
+    finally:
+        for node in nodes:  # each launch and its rank, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    model, tokenizer = load_pretrained(model_dir, dtype="float32", device="cpu")
+    want = LLMEngine(model, num_blocks=16).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True),
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert reply["usage"]["completion_tokens"] == 8
 
 
 # The engines of the module's fixtures live from here to the end of the file: these tests come last.

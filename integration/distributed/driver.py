@@ -251,7 +251,8 @@ def start_engine(path, tensor_parallel_size: int, *, dtype=None, device=None,
             leave_group()
             raise SystemExit(0)
         driver = _Driver(group, workers, store, threads)
-        engine = TensorParallelLLMEngine(model, tokenizer=tokenizer, tensor_parallel_driver=driver, **engine_args)
+        engine_args.setdefault("tokenizer", tokenizer)  # as LLMEngine.from_pretrained: the folder's unless given
+        engine = TensorParallelLLMEngine(model, tensor_parallel_driver=driver, **engine_args)
         keys = [f"loaded/{r}" for r in range(1, spec.world_size)]
         if workers.processes:
             workers.wait_for(store, keys, startup_timeout_s, "loading the model")
