@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 
 def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentParser:
@@ -27,6 +28,10 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model and the KV cache over N processes (one per GPU; under torchrun, across "
+                        "machines: the same command on every node, rank 0 serves HTTP); --num-blocks and "
+                        "--kv-cache-memory are per rank")
     return p
 
 
@@ -50,13 +55,22 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,
-                                        device=args.device, **engine_args(args))
+                                        device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                                        **engine_args(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    # uvicorn re-raises SIGTERM once it has stopped serving: end through the finally below, so the
+    # engine can stop what it started (a tensor-parallel engine's workers), as Ctrl-C does
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     engine = AsyncLLMEngine(llm)
     app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+        llm.shutdown()  # a tensor-parallel engine's workers
     return 0
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
