@@ -268,8 +268,9 @@ def tensor_parallel_factory(model, args, folder: str):
 
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
+    # token ids in and out, as the engine row (no tokenizer: no detokenizing in the loop)
     return lambda **engine_args: start_engine(folder, args.tensor_parallel_size, dtype=args.dtype, device="cpu",
-                                              **engine_args)
+                                              tokenizer=None, **engine_args)
 
 
 def print_tensor_parallel(results: list) -> None:
