@@ -458,7 +458,7 @@ class LLMEngine:
                 f"of {self.block_size} tokens), leaving room for one generated token")
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"add_request: n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
-        if getattr(params, "stop", None) and self.tokenizer is None:
+        if params.stop and self.tokenizer is None:
             raise ValueError("add_request: SamplingParams.stop needs the engine's tokenizer: LLMEngine(..., tokenizer=...)")
         return Request(request_id, prompt, params, arrival=0, priority=priority, seed=0,
                        metrics=RequestMetrics(time.perf_counter()), eos_token_ids=self.eos_token_ids)
@@ -502,8 +502,9 @@ class LLMEngine:
         from .detokenizer import IncrementalDetokenizer
 
         params = req.params
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=getattr(params, "stop", ()),
-                                      include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False))
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop,
+                                      include_stop_str_in_output=params.include_stop_str_in_output,
+                                      skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
 
     def _replay_detokenizer(self, seq: Sequence):
         detokenizer = self._detokenizer(seq.request)
