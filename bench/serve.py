@@ -10,6 +10,7 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
     python bench/serve.py --arrival poisson --rate 4
     python bench/serve.py --system-prompt 256      # shared prefix: adds "engine, no prefix caching"
     python bench/serve.py --n 4                    # 4 sampled continuations per request
+    python bench/serve.py --penalties              # adds "engine, penalties" (repetition/presence/frequency)
     python bench/serve.py --quick                  # tiny shapes, a smoke run
 
 Systems (rows):
@@ -63,6 +64,9 @@ def parse_args(argv=None):
     w.add_argument("--system-prompt", type=int, default=0,
                    help="tokens of a system prompt shared by every request, before its own prompt")
     w.add_argument("--n", type=int, default=1, help="continuations per request (n > 1 samples at temperature 1)")
+    w.add_argument("--penalties", action="store_true",
+                   help="also run the engine with repetition, presence and frequency penalties on every request "
+                        "(row 'engine, penalties')")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model (random Qwen3 shaped like Qwen3-0.6B)")
     m.add_argument("--layers", type=int, default=4)
@@ -189,17 +193,23 @@ def progress(total: int, desc: str, args):
     return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr, disable=args.no_progress or None)
 
 
-def sampling(args) -> dict:
-    """Greedy for n=1; n>1 samples (temperature 1, no top-k/top-p) so the continuations differ."""
-    return dict(temperature=1.0 if args.n > 1 else 0.0)
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+
+
+def sampling(args, penalties: bool = False) -> dict:
+    """Greedy for n=1; n>1 samples (temperature 1, no top-k/top-p) so the continuations differ;
+    ``penalties``: :data:`PENALTIES` on top (the engine only)."""
+    return dict(temperature=1.0 if args.n > 1 else 0.0, **(PENALTIES if penalties else {}))
 
 
 # ---------------------------------------------------------------------------------- systems
 
 
-def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None) -> RunResult:
+def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None,
+               penalties=False) -> RunResult:
     """``make_engine(**engine_args)``: another way to build the engine (a tensor-parallel one);
-    default ``LLMEngine(model, ...)``. The engine is shut down at the end."""
+    default ``LLMEngine(model, ...)``. The engine is shut down at the end. ``penalties``: every
+    request with :data:`PENALTIES`."""
     from minipaged_ops.integration import LLMEngine, SamplingParams
 
     engine_args = dict(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -218,7 +228,7 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
             while i < len(pending) and start + pending[i].arrival <= now:
                 r = pending[i]
                 params = SamplingParams(n=args.n, max_tokens=r.max_tokens, ignore_eos=True, seed=args.seed + i,
-                                        **sampling(args))
+                                        **sampling(args, penalties))
                 engine.add_request(r.request_id, r.prompt, params)
                 timelines[r.request_id] = Timeline(start + r.arrival)
                 i += 1
@@ -605,6 +615,9 @@ def main(argv=None) -> int:
     if args.system_prompt and "engine" in systems:
         runners["engine, no prefix caching"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, no prefix caching", prefix_caching=False)
+    if args.penalties and "engine" in systems:
+        runners["engine, penalties"] = lambda reqs, blocks: run_engine(
+            model, reqs, args, blocks, desc="engine, penalties", penalties=True)
     order = [s for s in runners if s.split(",")[0].split()[0] in systems]
 
     warm = make_workload(args, vocab, args.seed + 1000, count=min(4, args.requests))
