@@ -99,8 +99,10 @@ class Scheduler:
         scheduled.sort(key=lambda item: len(item[1].token_ids) != 1)  # decodes lead: see planner
 
     def _swap_in(self, budget: int, scheduled: list) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0:
             seq = self.swapped[0]
+            if self._slots_taken() + _width(seq.request) > self.max_num_seqs:
+                break
             held = seq.token_ids[:seq.num_computed]
             n = min(seq.num_uncomputed, budget)
             need = self.pool.blocks_to_swap_in(held) + _blocks_to_grow(len(held), n, self.pool.block_size)
@@ -121,8 +123,7 @@ class Scheduler:
             if seq is None:
                 break
             req = seq.request
-            width = 1 if req.forked or req.params.n == 1 else req.params.n
-            if len(self.running) + width > self.max_num_seqs:
+            if self._slots_taken() + _width(req) > self.max_num_seqs:
                 break
             # prompt logprobs need the logits of every prompt token they lack: from the block
             # holding the first such token, cached tokens are recomputed (read, never rewritten)
@@ -146,6 +147,10 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, self._chunk(seq, seq.token_ids[start:start + n], start, cached - start)))
             budget -= n
+
+    def _slots_taken(self) -> int:
+        """Running sequences, counting a request that will fork at its first sample as all of them."""
+        return sum(_width(seq.request) for seq in self.running)
 
     def _reserve(self, seq: Sequence, n: int, scheduled: list) -> int:
         bm = self.pool.block_manager
@@ -228,6 +233,11 @@ def _prompt_logprobs_from(seq: Sequence) -> int:
     if seq.index != 0 or have is None or len(have) >= len(seq.prompt_token_ids):
         return len(seq.token_ids)
     return len(have) - 1
+
+
+def _width(req) -> int:
+    """Running slots a sequence of ``req`` takes: n > 1 forks into n at its first sample."""
+    return 1 if req.forked or req.params.n == 1 else req.params.n
 
 
 def _largest(n: int, blocks_for: Callable[[int], int], room: int) -> int:
