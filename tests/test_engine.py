@@ -328,7 +328,7 @@ def test_prompt_longer_than_max_positions_is_rejected():
         engine.add_request("long", [3] * 512, SamplingParams())
 
 
-@pytest.mark.parametrize("kwargs", [dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1),
+@pytest.mark.parametrize("kwargs", [dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
                                     dict(max_tokens=0), dict(seed=1.5), dict(stop_token_ids=[-1]),
                                     dict(logprobs=-2), dict(ignore_eos="yes")])
 def test_invalid_sampling_params(kwargs):
