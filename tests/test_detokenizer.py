@@ -131,7 +131,8 @@ def test_stop_string_across_tokens(tokenizer, include):
         end = text.index(stop) + len(stop)
         assert stopped_at is not None and stopped_at[1] == stop
         # the token that completes it is the first whose text reaches the stop string's end
-        assert stopped_at[0] == next(k for k in range(1, len(ids) + 1) if len(decode(tokenizer, ids[:k]).rstrip(FFFD)) >= end)
+        reach = [len(decode(tokenizer, ids[:k]).rstrip(FFFD)) for k in range(len(ids) + 1)]
+        assert stopped_at[0] == next(k for k, r in enumerate(reach) if r >= end)
         assert det.text == det.finish() == (text[:end] if include else text[:text.index(stop)])
         with pytest.raises(RuntimeError, match="push after"):
             det.push(ids[0])

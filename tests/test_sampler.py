@@ -312,7 +312,8 @@ def engine_and_model(**engine_kwargs):
     from minipaged_ops.tiny import tiny_model
 
     model = tiny_model("qwen3", seed=11, vocab=160)
-    return LLMEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=32, **engine_kwargs), model
+    engine = LLMEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8, **engine_kwargs)
+    return engine, model
 
 
 def test_engine_repetition_penalty_and_min_tokens_equal_transformers_generate():
@@ -326,7 +327,7 @@ def test_engine_repetition_penalty_and_min_tokens_equal_transformers_generate():
     plain = engine.generate(prompts, SamplingParams(max_tokens=12), use_tqdm=False)
     eos = plain[0].outputs[0].token_ids[1]
     model.generation_config.eos_token_id = eos
-    engine = LLMEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=32)
+    engine = LLMEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
     for repetition, min_tokens in ((1.0, 0), (1.3, 0), (1.0, 6), (0.7, 6)):
         params = SamplingParams(max_tokens=12, repetition_penalty=repetition, min_tokens=min_tokens)
         outs = engine.generate(prompts, params, use_tqdm=False)

@@ -254,8 +254,8 @@ class Sampler:
 
     def _cut(self, logits: torch.Tensor, num_rows: int, what: str) -> torch.Tensor:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-            raise ValueError(f"Sampler: {what} must be a 2-D float tensor [rows, vocab], got "
-                             f"{type(logits).__name__ if not isinstance(logits, torch.Tensor) else tuple(logits.shape)}")
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"Sampler: {what} must be a 2-D float tensor [rows, vocab], got {got}")
         if logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
             raise ValueError(f"Sampler: {what} of shape {tuple(logits.shape)} for {num_rows} rows and a vocabulary "
                              f"of {self.vocab_size}: expected [{num_rows}, >= {self.vocab_size}]")

@@ -77,7 +77,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _int(name, getattr(self, name), 0, MAX_LOGPROBS, f" or None (at most {MAX_LOGPROBS}, vLLM's default cap)")
+                _int(name, getattr(self, name), 0, MAX_LOGPROBS, " or None (vLLM's default cap)")
         _number("presence_penalty", self.presence_penalty, -2, 2)
         _number("frequency_penalty", self.frequency_penalty, -2, 2)
         _number("repetition_penalty", self.repetition_penalty, 0, None)
@@ -100,7 +100,8 @@ def _int(name, value, lo, hi, note=""):
     if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) \
             or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"SamplingParams: {name} must be an int{'' if lo is None else ' ' + bounds}{note}, got {value!r}")
+        bounds = "" if lo is None else " " + bounds
+        raise ValueError(f"SamplingParams: {name} must be an int{bounds}{note}, got {value!r}")
 
 
 def _number(name, value, lo, hi):
