@@ -487,6 +487,20 @@ def test_a_dead_engine_fails_requests_and_health_without_hanging(folder):
             client.completions.create(model=NAME, prompt="hi", max_tokens=2)
 
 
+def test_the_readmes_openai_example_runs_as_printed(server, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## OpenAI-compatible server"):]
+    code = re.search(r"^```py\n(.*?)^```", section, re.S | re.M).group(1)
+    assert "http://localhost:8000/v1" in code and '"/tmp/tiny-qwen3"' in code
+    code = code.replace("http://localhost:8000/v1", server[0] + "/v1").replace('"/tmp/tiny-qwen3"', repr(NAME))
+    exec(compile(code, "README.md openai example", "exec"), {"__name__": "readme_openai_example"})
+    out = capsys.readouterr().out
+    assert "CompletionUsage(" in out and "completion_tokens=" in out
+
+
 # ---------------------------------------------------------------------------------- the load generator
 
 
