@@ -167,9 +167,9 @@ def test_soak_1000_random_requests_with_aborts_and_preemption(mode):
     model = engine_model("qwen3", hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16)
     rng = random.Random(12)
     engine = LLMEngine(model, num_blocks=40, block_size=4, max_num_seqs=16, max_num_batched_tokens=48,
-                       preemption_mode=mode)
+                       preemption_mode=mode, scheduling_policy="priority" if mode == "swap" else "fcfs")
     prefixes = prompts_of([8, 12], seed=13)
-    total, added, finished, aborted, live = 1000, 0, 0, 0, []
+    total, added, finished, aborted, live, asked = 1000, 0, 0, 0, [], {}
     modes_seen = set()
     while added < total or engine.has_unfinished_requests():
         for _ in range(rng.choice([0, 0, 1, 3, 6])):
@@ -177,10 +177,16 @@ def test_soak_1000_random_requests_with_aborts_and_preemption(mode):
                 break
             prompt = (rng.choice(prefixes) if rng.random() < 0.4 else []) + \
                 [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 20))]
-            params = SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=rng.randint(1, 10),
+            max_tokens = rng.randint(1, 10)
+            params = SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=max_tokens,
                                     temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
-                                    stop_token_ids=(rng.randrange(3, VOCAB),))
-            engine.add_request(f"s{added}", prompt, params)
+                                    stop_token_ids=(rng.randrange(3, VOCAB),),
+                                    repetition_penalty=rng.choice([1.0, 1.3]), presence_penalty=rng.choice([0.0, 0.5]),
+                                    frequency_penalty=rng.choice([0.0, -0.3]), min_p=rng.choice([0.0, 0.05]),
+                                    min_tokens=rng.randint(0, max_tokens), logprobs=rng.choice([None, 2]),
+                                    prompt_logprobs=rng.choice([None, None, 1]))
+            engine.add_request(f"s{added}", prompt, params, priority=rng.randint(0, 2))
+            asked[f"s{added}"] = (len(prompt), params)
             live.append(f"s{added}")
             added += 1
         if live and rng.random() < 0.08:
@@ -190,6 +196,13 @@ def test_soak_1000_random_requests_with_aborts_and_preemption(mode):
             if out.finished:
                 finished += 1
                 modes_seen.update(o.finish_reason for o in out.outputs)
+                prompt_len, params = asked[out.request_id]
+                for o in out.outputs:
+                    if o.finish_reason in ("stop", "length"):
+                        assert len(o.token_ids) >= params.min_tokens or o.finish_reason == "length"
+                        assert params.logprobs is None or len(o.logprobs) == len(o.token_ids)
+                if params.prompt_logprobs is not None and out.outputs[0].finish_reason != "abort":
+                    assert len(out.prompt_logprobs) == prompt_len and out.prompt_logprobs[0] is None
                 if out.request_id in live:
                     live.remove(out.request_id)
         bm = engine.block_manager
