@@ -344,7 +344,9 @@ class LLMEngine:
                 if s.status == Status.RUNNING and s.num_uncomputed == 0:
                     rows.append(row)
                     seqs.append(s)
-        sampled = self.sampler(logits[rows], seqs) if seqs else []
+        # the sampler works in place: no copy when each row is sampled once and none is read after
+        every_row = rows == list(range(logits.shape[0])) and not meta.all_logits_rows
+        sampled = self.sampler(logits if every_row else logits[rows], seqs) if seqs else []
         self._record_prompt_logprobs(meta, scheduled, logits)
         now = time.perf_counter()  # after the sampler's device sync
         changed: dict[str, Request] = {}

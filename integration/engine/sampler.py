@@ -129,7 +129,7 @@ class Sampler:
         """The float32 logits each row's choice is made from (a new tensor): greedy rows take their
         argmax, the others draw from their softmax (-inf: filtered out). For inspection and tests."""
         rows = list(rows)
-        x = self._cut(logits, len(rows), "logits").float().clone()
+        x = self._cut(logits, len(rows), "logits").float().clone(memory_format=torch.contiguous_format)
         self._transform(x, rows)
         return x
 
@@ -162,53 +162,53 @@ class Sampler:
             x.index_copy_(0, index, self._filter(x.index_select(0, index), [rows[j] for j in random]))
         return masked_invalid
 
+    # The (row, token) pairs below are flat indices into x (contiguous): index_select and
+    # index_copy_ on them cost microseconds, where x[rows, tokens] takes milliseconds on a busy CPU.
+
     def _mask_stop_tokens(self, x: torch.Tensor, rows: list) -> torch.Tensor:
         """min_tokens: EOS and stop_token_ids cannot be chosen while the output is shorter."""
-        row_index, token_index = [], []
+        vocab = x.shape[1]
+        keys, key_rows = [], []
         for j, row in enumerate(rows):
             if len(row.output_ids) < row.params.min_tokens:
-                banned = [t for t in {*row.eos_token_ids, *row.params.stop_token_ids} if t < x.shape[1]]
-                row_index += [j] * len(banned)
-                token_index += banned
+                banned = [j * vocab + t for t in {*row.eos_token_ids, *row.params.stop_token_ids} if t < vocab]
+                keys += banned
+                key_rows += [j] * len(banned)
         invalid = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        if row_index:
-            where = (self._index(row_index), self._index(token_index))
-            hidden = x[where]  # a NaN or +inf about to be masked still makes the row invalid
-            invalid.index_put_((where[0],), torch.isnan(hidden) | (hidden == math.inf), accumulate=True)
-            x[where] = -math.inf
+        if keys:
+            keys_t, flat = self._index(keys), x.view(-1)
+            hidden = flat.index_select(0, keys_t)  # a NaN or +inf about to be masked still makes the row invalid
+            bad = (torch.isnan(hidden) | (hidden == math.inf)).to(torch.int64)
+            invalid = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device).index_add_(
+                0, self._index(key_rows), bad) > 0
+            flat.index_fill_(0, keys_t, -math.inf)
         return invalid
 
     def _apply_penalties(self, x: torch.Tensor, rows: list) -> None:
         """Repetition (prompt + output), then frequency and presence (output), on the occurring
         (row, token) pairs only: one unique over the batch, one gather, one scatter."""
         vocab = x.shape[1]
-        token_ids: list[int] = []
-        segment_rows, segment_lens, segment_is_output = [], [], []
+        keys: list[int] = []  # row * vocab + token, for every token of the prompts and outputs penalized
+        from_output: list[float] = []  # 1 where the key's token is an output token (counted)
         for j, row in enumerate(rows):
-            params = row.params
+            params, base = row.params, j * vocab
             for ids, is_output, wanted in ((row.prompt_token_ids, 0.0, params.repetition_penalty != 1),
                                            (row.output_ids, 1.0, params.has_penalties)):
-                if wanted and len(ids):
-                    token_ids.extend(ids)
-                    segment_rows.append(j)
-                    segment_lens.append(len(ids))
-                    segment_is_output.append(is_output)
-        if not token_ids:
+                if wanted:  # ids the logits do not cover cannot be chosen anyway
+                    new = [base + t for t in ids if t < vocab]
+                    keys += new
+                    from_output += [is_output] * len(new)
+        if not keys:
             return
-        lens = self._index(segment_lens)
-        tokens = torch.tensor(token_ids, dtype=torch.int64, device=x.device)
-        row_of = torch.repeat_interleave(self._index(segment_rows), lens)
-        is_output = torch.repeat_interleave(torch.tensor(segment_is_output, device=x.device), lens)
-        inside = tokens < vocab  # ids the logits do not cover cannot be chosen anyway
-        keys, where = torch.unique(row_of[inside] * vocab + tokens[inside], return_inverse=True)
-        counts = torch.zeros(keys.shape[0], device=x.device).index_add_(0, where, is_output[inside])
-        key_rows, key_tokens = keys // vocab, keys % vocab
+        unique, where = torch.unique(self._index(keys), return_inverse=True)
+        counts = torch.zeros(unique.shape[0], device=x.device).index_add_(0, where, self._floats(from_output))
         repetition, frequency, presence = torch.tensor(
             [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in rows],
-            dtype=torch.float32, device=x.device).index_select(0, key_rows).unbind(1)
-        values = x[key_rows, key_tokens]
+            dtype=torch.float32, device=x.device).index_select(0, unique // vocab).unbind(1)
+        flat = x.view(-1)
+        values = flat.index_select(0, unique)
         values = torch.where(values > 0, values / repetition, values * repetition)
-        x[key_rows, key_tokens] = values - frequency * counts - presence * (counts > 0)
+        flat.index_copy_(0, unique, values - frequency * counts - presence * (counts > 0))
 
     def _filter(self, y: torch.Tensor, rows: list) -> torch.Tensor:
         """Temperature, then min_p and top_k (one floor per row), then top_p, in place on ``y``."""
