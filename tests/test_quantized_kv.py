@@ -257,7 +257,7 @@ def test_decode_long_sequences(fmt, device):
 
 @pytest.mark.parametrize("head_dim", [40, 80, 96])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_cpu_head_dims_not_in_cuda_list(fmt, head_dim):
+def test_cpu_other_head_dims(fmt, head_dim):
     # The CPU kernels' general paths and their element-by-element tails (head_dim not a multiple of 16).
     case = make_case(fmt, [20, 50, 3], 8, 2, head_dim, 16, torch.float32, "cpu", seed=head_dim)
     check_decode(case, head_dim**-0.5, torch.float32)
