@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from minipaged_ops import quantized
 from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
 from . import _compat
@@ -86,6 +87,9 @@ class PagedKVCache(_compat.Cache):
         enable_prefix_caching: full blocks are found again by their token prefix (across
             sequences in a batch, and after ``reset()`` for later prompts).
         dtype, device: of the pools; default to the model's.
+        kv_cache_dtype: "auto" (the pools in ``dtype``), or "int8", "fp8_e4m3", "fp8_e5m2": 8-bit pools
+            the ops quantize into and read from (minipaged_ops.quantized).
+        calculate_kv_scales: fp8: each layer's scales from the first batch's absolute maximum (else 1.0).
 
     The cache needs a forward pre-hook on the model (it allocates blocks there, outside any
     compiled region), installed on the model it binds to. A forward of any other model with this
@@ -101,7 +105,11 @@ class PagedKVCache(_compat.Cache):
         enable_prefix_caching: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ):
+        quantized.cache_dtype(kv_cache_dtype, torch.float32)  # ValueError naming an unknown one, now
+        self._kv_cache_dtype, self._calculate_kv_scales = kv_cache_dtype, calculate_kv_scales
         model = _compat.unwrap_model(config) if isinstance(config, torch.nn.Module) else None
         if model is not None:
             if getattr(model, "config", None) is None:
@@ -306,7 +314,8 @@ class PagedKVCache(_compat.Cache):
     def _attention_kwargs(self) -> dict:
         """What the forward passes down to the attention function this step: the step's metadata
         and the pools."""
-        return {"minipaged_step": self._step, "minipaged_kv_caches": self.pool.kv_caches}
+        return {"minipaged_step": self._step, "minipaged_kv_caches": self.pool.kv_caches,
+                "minipaged_kv_scales": self.pool.kv_scales}
 
     def _end_step(self) -> None:
         if self._in_step:
@@ -449,7 +458,9 @@ class PagedKVCache(_compat.Cache):
         dtype = self._dtype if self._dtype is not None else param.dtype
         self._check_dtype(dtype, param.dtype)
         device = self._device if self._device is not None else param.device
-        self.pool = KVPool(kv_geometry(model), self.block_manager, dtype=dtype, device=device)
+        self._model_dtype = dtype
+        self.pool = KVPool(kv_geometry(model), self.block_manager, dtype=quantized.cache_dtype(self._kv_cache_dtype, dtype),
+                           device=device, calculate_kv_scales=self._calculate_kv_scales)
         self.pool.mark_static()
         for layer, (k, v) in zip(self.layers, self.pool.kv_caches):
             layer.keys, layer.values, layer.is_initialized = k, v, True
@@ -459,7 +470,7 @@ class PagedKVCache(_compat.Cache):
         have = self.pool.device
         if have.type != device.type or (device.index is not None and have.index != device.index):
             raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
-        self._check_dtype(self.pool.dtype, dtype)
+        self._check_dtype(self._model_dtype, dtype)
 
     @staticmethod
     def _check_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> None:

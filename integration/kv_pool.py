@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 import minipaged_ops
+from minipaged_ops import quantized
 from minipaged_ops.block_manager import KVBlockManager
 
 from . import _compat
 
-__all__ = ["KVGeometry", "KVPool", "SwappedKV", "blocks_for_memory", "check_full_attention", "kv_geometry"]
+__all__ = ["KVGeometry", "KVPool", "LayerScales", "SwappedKV", "blocks_for_memory", "check_full_attention",
+           "kv_geometry"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,10 @@ class KVGeometry:
     head_dim: int
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V bytes of one block id across all layers."""
+        """K and V bytes of one block id across all layers (an int8 pool's scales included)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * element
+        scales = quantized.scale_bytes_per_block(dtype, self.num_kv_heads, block_size)
+        return self.num_layers * (2 * self.num_kv_heads * block_size * self.head_dim * element + scales)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -73,10 +76,31 @@ def check_full_attention(config, who: str) -> None:
 
 @dataclass(frozen=True)
 class SwappedKV:
-    """A sequence's blocks in host memory, ``[layers, blocks, kv_heads, block_size, head_dim]``."""
+    """A sequence's blocks in host memory, ``[layers, blocks, kv_heads, block_size, head_dim]``, and an
+    int8 pool's scales of them, ``[layers, blocks, kv_heads, block_size]``."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+
+
+@dataclass
+class LayerScales:
+    """One layer's scales in an 8-bit pool (``minipaged_ops.quantized``): int8's, one per token and kv
+    head ``[num_blocks, num_kv_heads, block_size]``, written with the tokens and moved with their blocks;
+    fp8's, one K and one V scale for the layer (1.0, or with ``pending`` set from the first batch
+    written and then frozen, as vLLM's ``calculate_kv_scales``)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    pending: bool = False
+
+    def calibrate(self, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> None:
+        """Set the fp8 scales from this batch's absolute maxima, once."""
+        self.key.copy_(quantized.layer_scale_for(key, dtype))
+        self.value.copy_(quantized.layer_scale_for(value, dtype))
+        self.pending = False
 
 
 class KVPool:
@@ -85,12 +109,14 @@ class KVPool:
     Args:
         geometry: from :func:`kv_geometry` (the model's attention modules).
         block_manager: hands out the pools' blocks (its ``num_blocks`` and ``block_size`` size them).
-        dtype, device: of the pools.
+        dtype, device: of the pools: the model's dtype, or an 8-bit one (``quantized.cache_dtype``
+            of a ``kv_cache_dtype``), whose scales the pool then holds (``kv_scales``).
         huge_pages: CPU pools in 2 MiB transparent huge pages (see ``allocate_kv_cache``).
+        calculate_kv_scales: fp8 pools: set each layer's scales from the first batch it writes.
     """
 
     def __init__(self, geometry: KVGeometry, block_manager: KVBlockManager, *, dtype: torch.dtype, device,
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, calculate_kv_scales: bool = False):
         self.geometry = geometry
         self.dtype = dtype
         self.device = torch.device(device)
@@ -101,6 +127,14 @@ class KVPool:
             (minipaged_ops.allocate_kv_cache(shape, dtype, self.device, huge_pages),
              minipaged_ops.allocate_kv_cache(shape, dtype, self.device, huge_pages))
             for _ in range(geometry.num_layers))
+        # One LayerScales per layer for an 8-bit pool, else None (what the attention passes to the ops).
+        self.kv_scales: tuple[LayerScales, ...] | None = None
+        if quantized.is_quantized(dtype):
+            pending = calculate_kv_scales and dtype != torch.int8
+            self.kv_scales = tuple(
+                LayerScales(*quantized.new_scales(dtype, block_manager.num_blocks, geometry.num_kv_heads,
+                                                  block_manager.block_size, self.device), pending=pending)
+                for _ in range(geometry.num_layers))
 
     @property
     def num_blocks(self) -> int:
@@ -149,21 +183,35 @@ class KVPool:
     def copy_blocks(self, copies) -> None:
         """Copy block ``src`` to block ``dst`` for every ``(src, dst)`` of ``copies``, all layers."""
         mapping = torch.tensor(copies, dtype=torch.int64).to(self.device)
-        for key_cache, value_cache in self.kv_caches:
-            minipaged_ops.copy_blocks(key_cache, value_cache, mapping)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            minipaged_ops.copy_blocks(key_cache, value_cache, mapping, *self._scales_of(layer))
 
     def read_blocks(self, block_ids) -> SwappedKV:
         """The blocks' K/V of every layer, copied to host memory."""
         blocks = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        scales = ()
+        if self.dtype == torch.int8:  # an int8 pool's scales are paged like it: they move with the blocks
+            scales = (torch.stack([s.key.index_select(0, blocks) for s in self.kv_scales]).cpu(),
+                      torch.stack([s.value.index_select(0, blocks) for s in self.kv_scales]).cpu())
         return SwappedKV(torch.stack([k.index_select(0, blocks) for k, _ in self.kv_caches]).cpu(),
-                         torch.stack([v.index_select(0, blocks) for _, v in self.kv_caches]).cpu())
+                         torch.stack([v.index_select(0, blocks) for _, v in self.kv_caches]).cpu(), *scales)
 
     def write_blocks(self, block_ids, swapped: SwappedKV, first: int = 0) -> None:
         """Write ``swapped``'s blocks ``first ..`` (host copies from :meth:`read_blocks`) into ``block_ids``."""
         blocks = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            key_cache.index_copy_(0, blocks, swapped.keys[layer, first:].to(self.device))
-            value_cache.index_copy_(0, blocks, swapped.values[layer, first:].to(self.device))
+            # as bytes: torch has no index_copy_ for float8 on the CPU
+            _bytes(key_cache).index_copy_(0, blocks, _bytes(swapped.keys[layer, first:].to(self.device)))
+            _bytes(value_cache).index_copy_(0, blocks, _bytes(swapped.values[layer, first:].to(self.device)))
+            if swapped.key_scales is not None:
+                self.kv_scales[layer].key.index_copy_(0, blocks, swapped.key_scales[layer, first:].to(self.device))
+                self.kv_scales[layer].value.index_copy_(0, blocks, swapped.value_scales[layer, first:].to(self.device))
+
+    def _scales_of(self, layer: int) -> tuple:
+        """(key_scale, value_scale) of a layer as the ops take them; (None, None) for a float pool."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales[layer].key, self.kv_scales[layer].value
 
     def mark_static(self) -> None:
         """Tell torch.compile the pools never move (a compiled step then takes them as constants)."""
@@ -177,6 +225,10 @@ class KVPool:
         usage["kv_bytes_used"] = usage["blocks_used"] * self.bytes_per_block
         usage["kv_bytes_pool"] = self.num_blocks * self.bytes_per_block
         return usage
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if quantized.is_quantized(t.dtype) else t
 
 
 def blocks_for_memory(kv_cache_memory, bytes_per_block: int, device: torch.device, *, most: int, who: str) -> int:

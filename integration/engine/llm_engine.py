@@ -25,6 +25,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from minipaged_ops import quantized
 from minipaged_ops.block_manager import KVBlockManager
 
 from .. import _compat
@@ -64,6 +65,10 @@ class LLMEngine:
             lower first; under pressure the lowest-priority running request is preempted first).
         seed: seeds the generator of every request that brings no ``SamplingParams.seed``.
         tokenizer: gives each completion its ``text`` and enables ``SamplingParams.stop`` strings.
+        kv_cache_dtype: "auto" (the model's dtype), or an 8-bit KV cache: "int8" (a scale per token
+            and kv head), "fp8_e4m3" or "fp8_e5m2" (a scale per layer); see minipaged_ops.quantized.
+        calculate_kv_scales: fp8: set each layer's scales from the first batch's absolute maximum
+            (else 1.0).
     """
 
     kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
@@ -71,7 +76,8 @@ class LLMEngine:
     def __init__(self, model, num_blocks: Optional[int] = None, block_size: int = 16, *,
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 scheduling_policy: str = "fcfs", seed: int = 0, tokenizer=None):
+                 scheduling_policy: str = "fcfs", seed: int = 0, tokenizer=None, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False):
         if not _compat.is_pretrained_model(model):
             raise ValueError(f"LLMEngine: model must be a transformers PreTrainedModel, got {type(model).__name__}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -93,15 +99,19 @@ class LLMEngine:
         param = next(model.parameters())
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device, self.dtype = param.device, param.dtype
+        self.kv_cache_dtype = quantized.cache_dtype(kv_cache_dtype, self.dtype)  # ValueError naming it
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
         if num_blocks is None:
             most = max_num_seqs * -(-self.max_position_embeddings // block_size)
-            num_blocks = blocks_for_memory(kv_cache_memory, geometry.bytes_per_block(block_size, self.dtype),
+            num_blocks = blocks_for_memory(kv_cache_memory, geometry.bytes_per_block(block_size, self.kv_cache_dtype),
                                            self.device, most=most, who="LLMEngine")
         elif not _is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"LLMEngine: num_blocks must be a positive int or None, got {num_blocks!r}")
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.dtype, device=self.device)
+        if self.kv_cache_dtype != self.dtype and self.kv_pool_class is not KVPool:
+            raise ValueError(f"LLMEngine: kv_cache_dtype={kv_cache_dtype!r} is not supported with tensor parallelism yet")
+        self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
+                                       **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
         self.max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
@@ -370,6 +380,7 @@ class LLMEngine:
         return self.model(
             input_ids=meta.input_ids[None], position_ids=meta.position_ids[None], use_cache=False,
             logits_to_keep=meta.logits_indices, minipaged_step=meta, minipaged_kv_caches=self.pool.kv_caches,
+            minipaged_kv_scales=self.pool.kv_scales,
         ).logits[0]
 
     def _record_prompt_logprobs(self, meta, scheduled: list, logits: torch.Tensor) -> None:
