@@ -29,10 +29,24 @@ def workload(vocab: int, seed: int = 0, count: int = 40):
 
 
 def run(model, prompts, kv_cache_dtype: str, max_tokens: int, vocab: int):
+    """Greedy token ids of each prompt and, per generated token, ``{token id: log-prob}`` over the
+    whole vocabulary (recorded from the logits the sampler receives: the engine's ``logprobs``
+    stop at 20, vLLM's cap)."""
     engine = LLMEngine(model, num_blocks=512, block_size=16, kv_cache_dtype=kv_cache_dtype,
                        calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, logprobs=vocab), use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    distributions: dict[str, list[dict[int, float]]] = {}
+    sample = engine.sampler
+
+    def recording_sampler(logits, rows):
+        for row, logprobs in zip(rows, logits.float().log_softmax(-1).tolist()):  # before the sampler edits logits
+            distributions.setdefault(row.request.request_id, []).append(dict(enumerate(logprobs)))
+        return sample(logits, rows)
+
+    engine.sampler = recording_sampler
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    for o in outs:
+        assert len(distributions[o.request_id]) == len(o.outputs[0].token_ids) and len(distributions[o.request_id][0]) == vocab
+    return [(o.outputs[0].token_ids, distributions[o.request_id]) for o in outs]
 
 
 def compare(reference, outputs, top_k: int = 5) -> dict:

@@ -20,12 +20,13 @@ from minipaged_ops.block_manager import OutOfBlocksError
 from . import _compat
 from .attention import ATTN_IMPLEMENTATION, minipaged_attention_forward, minipaged_mask
 from .cache import PagedKVCache, attach_hooks, detach_hooks
-from .engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
+from .engine import AsyncLLMEngine, CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
 from .kv_pool import KVPool
 from .planner import ScheduledChunk, StepMetadata, plan_step
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "KVPool",
     "LLMEngine",

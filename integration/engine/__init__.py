@@ -2,11 +2,14 @@
 
 ``llm_engine`` runs the loop; ``scheduler`` picks each step's chunks; ``sampler`` turns logits
 into tokens; ``sequence`` and ``outputs`` are the records; ``stats`` the capacity report's
-bookkeeping; ``rollback`` what undoes a failed step.
+bookkeeping; ``rollback`` what undoes a failed step; ``detokenizer`` turns tokens into text and
+finds stop strings; ``async_engine`` (with ``streams``) drives an engine from asyncio; ``loading``
+reads a model folder.
 """
 
+from .async_engine import AsyncLLMEngine
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
