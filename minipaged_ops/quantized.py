@@ -36,6 +36,13 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+def cache_dtype_name(dtype: torch.dtype) -> str:
+    """What a pool of ``dtype`` is called: its ``kv_cache_dtype`` name ("int8", "fp8_e4m3",
+    "fp8_e5m2"), or a float pool's torch name ("float32", "bfloat16", "float16")."""
+    names = {v: k for k, v in KV_CACHE_DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def new_scales(dtype: torch.dtype, num_blocks: int, num_kv_heads: int, block_size: int, device=None):
     """The (key_scale, value_scale) a pool of ``dtype`` needs: ``(None, None)`` for a float pool,
     per-token zeros for int8 (written with the tokens), ones for fp8."""

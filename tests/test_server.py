@@ -539,3 +539,75 @@ def test_cli_help_and_a_missing_folder(tmp_path):
     done = subprocess.run([sys.executable, "-m", "minipaged_ops.serve", "--model", str(tmp_path / "absent"),
                            "--port", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "is not a directory" in done.stderr
+
+
+# ---------------------------------------------------------------------------------- the 8-bit KV cache
+
+
+def test_an_int8_server_answers_and_its_metrics_name_the_format(folder, tmp_path):
+    """``python -m minipaged_ops.serve --kv-cache-dtype int8`` for real: its greedy completion is the
+    in-process int8 engine's, and /metrics reports the int8 pool's format and bytes per block (scales
+    included: under the float32 pool's)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from minipaged_ops.integration.distributed.group import free_port
+
+    args = dict(num_blocks=48, block_size=16, max_num_seqs=4)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "minipaged_ops.serve", "--model", folder, "--port", str(port),
+                               "--served-model-name", NAME, "--num-blocks", "48", "--block-size", "16",
+                               "--max-num-seqs", "4", "--device", "cpu", "--kv-cache-dtype", "int8",
+                               "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while True:  # bounded: until it answers, exits or the deadline
+            assert server.poll() is None, (log.seek(0), log.read()[-3000:])
+            assert time.monotonic() < deadline, "the server did not come up within 180 s"
+            try:
+                if call(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        status, reply = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert status == 200, reply
+        info = [labels for (name, labels) in metrics(url) if name == "minipaged:cache_config_info"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+    int8 = LLMEngine.from_pretrained(folder, kv_cache_dtype="int8", **args)
+    auto = LLMEngine.from_pretrained(folder, **args).stats()
+    want = int8.generate([int8.tokenizer.encode(PROMPTS[0])], SamplingParams(max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert reply["choices"][0]["text"] == want.text and reply["usage"]["completion_tokens"] == 8
+    stats = int8.stats()
+    assert stats["kv_cache_dtype"] == "int8" and auto["kv_cache_dtype"] == "float32"
+    assert stats["kv_bytes_per_block"] < 0.27 * auto["kv_bytes_per_block"]
+    assert info == [(("cache_dtype", "int8"), ("kv_bytes_per_block", str(stats["kv_bytes_per_block"])),
+                     ("num_blocks", "48"))]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice: 'int4'"),
+    (["--kv-cache-dtype", "int8", "--calculate-kv-scales"],
+     "--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2, got int8"),
+    (["--calculate-kv-scales"], "--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or "
+                                "fp8_e5m2, got auto"),
+])
+def test_a_bad_kv_cache_flag_is_an_error_naming_it_before_loading(argv, message, tmp_path, capsys):
+    from minipaged_ops.serve import main
+
+    with pytest.raises(SystemExit) as exit:  # the folder is absent: a flag checked later would say so instead
+        main(["--model", str(tmp_path / "absent"), "--port", "1", *argv])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err

@@ -279,6 +279,7 @@ class LLMEngine:
                 "swapped_blocks_out": sched.swapped_blocks_out,
                 "steps": c["steps"],
                 "failed_steps": c["failed_steps"],
+                "kv_cache_dtype": quantized.cache_dtype_name(self.kv_cache_dtype),
                 "kv_bytes_per_block": self.kv_bytes_per_block,
                 "kv_bytes_in_use": usage["kv_bytes_used"],
                 "peak_kv_bytes": c["peak_blocks_used"] * self.kv_bytes_per_block,

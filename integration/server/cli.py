@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 
+from minipaged_ops.quantized import KV_CACHE_DTYPES
+
 
 def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="An OpenAI-compatible server on minipaged's LLMEngine.")
@@ -28,6 +30,11 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
+                   help="auto: the model's dtype; int8 (a scale per token and kv head) or fp8_e4m3 / fp8_e5m2 (a "
+                        "scale per layer): one byte per K/V element, about twice the tokens of a bfloat16 cache")
+    e.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8: set each layer's scales from the first batch's absolute maximum (else 1.0)")
     e.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model and the KV cache over N processes (one per GPU; under torchrun, across "
                         "machines: the same command on every node, rank 0 serves HTTP); --num-blocks and "
@@ -38,7 +45,8 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
 def engine_args(args) -> dict:
     kwargs = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-                  preemption_mode=args.preemption_mode, seed=args.seed)
+                  preemption_mode=args.preemption_mode, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+                  calculate_kv_scales=args.calculate_kv_scales)
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory if args.kv_cache_memory <= 1 else int(args.kv_cache_memory)
     return kwargs
@@ -51,7 +59,11 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     from ..engine.async_engine import AsyncLLMEngine
     from .app import build_app
 
-    args = parser(prog).parse_args(argv)
+    p = parser(prog)
+    args = p.parse_args(argv)
+    if args.calculate_kv_scales and not args.kv_cache_dtype.startswith("fp8"):
+        p.error(f"--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2, "
+                f"got {args.kv_cache_dtype}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,

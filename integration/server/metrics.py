@@ -118,3 +118,12 @@ class _FromStats:
                                                                                        labels=["model_name"])
             family.add_metric([self.metrics.model_name], self.metrics.stats.get(key, 0))
             yield family
+        # vLLM's cache_config_info: the KV cache's format and size as labels of a constant 1
+        stats = self.metrics.stats
+        if "kv_cache_dtype" in stats:
+            labels = {"cache_dtype": stats["kv_cache_dtype"], "num_blocks": str(stats["blocks_total"]),
+                      "kv_bytes_per_block": str(stats["kv_bytes_per_block"])}
+            family = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.",
+                                       labels=["model_name", *labels])
+            family.add_metric([self.metrics.model_name, *labels.values()], 1)
+            yield family
