@@ -12,9 +12,12 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
     python bench/serve.py --n 4                    # 4 sampled continuations per request
     python bench/serve.py --penalties              # adds "engine, penalties" (repetition/presence/frequency)
     python bench/serve.py --quick                  # tiny shapes, a smoke run
+    python bench/serve.py --systems engine --kv-cache-dtype auto,int8,fp8_e4m3 --kv-cache-memory 128e6 --rounds 2
+                        # 8-bit KV caches: one engine row per format, all in the same memory (preemption-bound)
 
 Systems (rows):
   engine        minipaged_ops.integration.LLMEngine: iteration-level scheduling on the paged cache
+                (with --kv-cache-dtype, one row per format: "engine" is "auto", "engine int8" ...)
   transformers  model.init_continuous_batching: transformers' continuous batching (sdpa), given the
                 same KV capacity (num_blocks pages of block_size tokens) and token budget
   static        model.generate with sdpa + DynamicCache on left-padded batches of whatever has
@@ -75,6 +78,12 @@ def parse_args(argv=None):
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks for the engine and transformers' CB (default: all requests fit at once)")
+    s.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="bytes of KV cache (all layers): the engine rows size their pools from it (an 8-bit format "
+                        "gets more blocks), transformers' CB gets as many blocks as the model's dtype fits")
+    s.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma-separated formats of the engine's KV cache, one engine row each: auto (the model's "
+                        "dtype), int8, fp8_e4m3, fp8_e5m2 (fp8 with calculate_kv_scales)")
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
     s.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -84,6 +93,8 @@ def parse_args(argv=None):
                    help="comma-separated subset of engine,transformers,static,roof")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="folder for serve.csv and serve.png (default bench/out)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times in turn (alternated); each row reports its median round")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests: a smoke run")
     args = p.parse_args(argv)
@@ -101,6 +112,17 @@ def parse_args(argv=None):
     unknown = set(args.systems.split(",")) - {"engine", "transformers", "static", "roof"}
     if unknown:
         p.error(f"--systems: unknown {sorted(unknown)}")
+    from minipaged_ops.quantized import KV_CACHE_DTYPES
+
+    args.kv_cache_dtypes = [k for k in args.kv_cache_dtype.split(",") if k]
+    bad = [k for k in args.kv_cache_dtypes if k not in ("auto", *KV_CACHE_DTYPES)]
+    if bad or not args.kv_cache_dtypes or len(set(args.kv_cache_dtypes)) < len(args.kv_cache_dtypes):
+        p.error(f"--kv-cache-dtype: expected distinct names of auto, {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{args.kv_cache_dtype!r}")
+    if args.kv_cache_memory is not None and (args.kv_cache_memory <= 0 or args.num_blocks is not None):
+        p.error(f"--kv-cache-memory: expected bytes > 0, and not with --num-blocks, got {args.kv_cache_memory}")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected >= 1, got {args.rounds}")
     return args
 
 
@@ -206,14 +228,18 @@ def sampling(args, penalties: bool = False) -> dict:
 
 
 def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None,
-               penalties=False) -> RunResult:
+               penalties=False, kv_cache_dtype="auto") -> RunResult:
     """``make_engine(**engine_args)``: another way to build the engine (a tensor-parallel one);
     default ``LLMEngine(model, ...)``. The engine is shut down at the end. ``penalties``: every
-    request with :data:`PENALTIES`."""
+    request with :data:`PENALTIES`. With ``--kv-cache-memory`` the pool is sized from those bytes
+    in ``kv_cache_dtype`` (fp8: scales from the first batch), else it has ``num_blocks``."""
     from minipaged_ops.integration import LLMEngine, SamplingParams
 
-    engine_args = dict(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    size = dict(num_blocks=num_blocks) if args.kv_cache_memory is None else dict(kv_cache_memory=int(args.kv_cache_memory))
+    engine_args = dict(size, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=prefix_caching)
+    if kv_cache_dtype != "auto":
+        engine_args.update(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
     engine = make_engine(**engine_args) if make_engine else LLMEngine(model, **engine_args)
     bm = engine.block_manager
     timelines: dict[str, Timeline] = {}
@@ -221,7 +247,7 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
     timer = ModelTimer(engine.model)
     bar = progress(len(requests), desc, args)
     pending = sorted(requests, key=lambda r: r.arrival)
-    i, busy, start = 0, 0.0, time.perf_counter()
+    i, busy, peak_running, start = 0, 0.0, 0, time.perf_counter()
     try:
         while i < len(pending) or engine.has_unfinished_requests():
             now = time.perf_counter()
@@ -247,8 +273,10 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
                     tl.tokens = [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
                     bar.update(1)
             blocks.append((t - start, bm.num_blocks - bm.num_free_blocks))
+            # the step's sequences: those still running plus those it finished
+            peak_running = max(peak_running, len(engine.scheduler.running) + sum(o.finished for o in outputs))
         wall = time.perf_counter() - start
-        stats = dict(engine.stats(), memory_per_rank=memory_per_rank(engine))
+        stats = dict(engine.stats(), memory_per_rank=memory_per_rank(engine), peak_running=peak_running)
     finally:
         timer.close()
         bar.close()
@@ -303,6 +331,37 @@ def print_tensor_parallel(results: list) -> None:
                      f"({total / (r.busy or r.wall):.0%}; broadcast {collectives['broadcast'] / steps * 1e3:.2f}, "
                      f"all-reduces + gather {collectives['model'] / steps * 1e3:.2f}) over {steps} steps")
         print(line)
+
+
+def engine_row(kv_cache_dtype: str) -> str:
+    return "engine" if kv_cache_dtype == "auto" else f"engine {kv_cache_dtype}"
+
+
+def pool_text(args, num_blocks: int) -> str:
+    if args.kv_cache_memory is None:
+        return f"{num_blocks} blocks of {args.block_size}"
+    return f"KV cache {args.kv_cache_memory / 2**20:.3g} MiB (blocks of {args.block_size})"
+
+
+def print_kv_formats(runs: dict, requests, args) -> None:
+    """One line per engine format: its pool in the same memory and what it did with it. Output
+    tokens/s of every round (they alternated); ratios against "auto" round by round."""
+    output_tokens = sum(args.n * r.max_tokens for r in requests)
+    rows = [(kv, runs[engine_row(kv)]) for kv in args.kv_cache_dtypes if engine_row(kv) in runs]
+    base = dict(rows).get("auto")
+    against = "x auto: the median of the rounds' ratios" if base else "no auto row to compare with"
+    print(f"\nKV cache formats (engine rows; peak running: sequences in one step; out tok/s of each round; {against}):")
+    print(f"  {'format':<10} {'kv_bytes_per_block':>18} {'x auto':>7} {'blocks':>7} {'tokens':>8} {'peak running':>12} "
+          f"{'preemptions':>11} {'out tok/s':>20} {'x auto':>7}")
+    for kv, results in rows:
+        s = results[0].stats
+        rates = [output_tokens / r.wall for r in results]
+        bytes_ratio = f"{s['kv_bytes_per_block'] / base[0].stats['kv_bytes_per_block']:.3f}" if base else "-"
+        speed = f"{statistics.median(b.wall / r.wall for b, r in zip(base, results)):.2f}" if base else "-"
+        print(f"  {kv:<10} {s['kv_bytes_per_block']:>18,} {bytes_ratio:>7} {s['blocks_total']:>7} "
+              f"{s['blocks_total'] * args.block_size:>8} {'/'.join(str(r.stats['peak_running']) for r in results):>12} "
+              f"{'/'.join(str(r.stats['preemptions']) for r in results):>11} "
+              f"{'/'.join(f'{x:.1f}' for x in rates):>20} {speed:>7}")
 
 
 def run_transformers_cb(model, requests, args, num_blocks, desc="transformers") -> RunResult:
@@ -588,19 +647,27 @@ def main(argv=None) -> int:
                        dtype=dtype, **args.shape)
     requests = make_workload(args, vocab, args.seed)
     num_blocks = args.num_blocks or blocks_needed(requests, args.block_size, args.n)
+    if args.kv_cache_memory is not None:  # what the model's dtype fits (the engine rows size their own)
+        from minipaged_ops.integration.kv_pool import kv_geometry
+
+        num_blocks = int(args.kv_cache_memory) // kv_geometry(model).bytes_per_block(args.block_size, dtype)
     systems = args.systems.split(",")
     params = sum(p.numel() for p in model.parameters()) / 1e6
     title = (f"{len(requests)} requests ({args.arrival}{f' {args.rate}/s' if args.arrival == 'poisson' else ''}), "
              f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}"
              f"{f' + {args.system_prompt} shared' if args.system_prompt else ''}, outputs "
              f"{args.output_len[0]}-{args.output_len[1]}, n={args.n}; Qwen3 {args.layers} layers ({params:.0f}M), "
-             f"{args.dtype}; {num_blocks} blocks of {args.block_size}, budget {args.max_num_batched_tokens} tokens, "
+             f"{args.dtype}; {pool_text(args, num_blocks)}, budget {args.max_num_batched_tokens} tokens, "
              f"max {args.max_num_seqs} seqs; {machine_name()}")
     print(title)
     print(f"torch {torch.__version__}; each system warmed up on {min(4, args.requests)} other requests first")
 
     runners = {
-        "engine": lambda reqs, blocks: run_engine(model, reqs, args, blocks),
+        engine_row(kv): lambda reqs, blocks, kv=kv: run_engine(model, reqs, args, blocks, desc=engine_row(kv),
+                                                               kv_cache_dtype=kv)
+        for kv in args.kv_cache_dtypes
+    }
+    runners |= {
         "transformers": lambda reqs, blocks: run_transformers_cb(model, reqs, args, blocks),
         "static": lambda reqs, blocks: run_static(model, reqs, args),
     }
@@ -630,19 +697,23 @@ def main(argv=None) -> int:
     # machine lands on both sides of each ratio alike
     measure_roof = "roof" in systems
     roofs = [run_roof(model, requests, args)] if measure_roof else []
-    results = []
-    for name in order:
-        print(f"  running {name} ...", file=sys.stderr)
-        results.append(runners[name](requests, num_blocks))
-        if measure_roof:
-            roofs.append(run_roof(model, requests, args))
+    runs = {name: [] for name in order}
+    flat = []
+    for round_ in range(args.rounds):  # the systems in turn, so a busy spell lands on all of them
+        for name in order:
+            print(f"  running {name} (round {round_ + 1} of {args.rounds}) ...", file=sys.stderr)
+            flat.append(runners[name](requests, num_blocks))
+            runs[name].append(flat[-1])
+            if measure_roof:
+                roofs.append(run_roof(model, requests, args))
     roof = None
     if measure_roof:
         roof = roofs[0]
         roof.wall = statistics.median(r.wall for r in roofs)
         roof.stats.update({k: statistics.median(r.stats[k] for r in roofs) for k in ("prefill_chunk_s", "decode_step_s")})
-        for i, res in enumerate(results):
+        for i, res in enumerate(flat):
             res.roof_wall = (roofs[i].wall + roofs[i + 1].wall) / 2
+    results = [sorted(runs[name], key=lambda r: r.wall)[(len(runs[name]) - 1) // 2] for name in order]  # median
 
     reference = next(iter(results), None)
     rows = [summary_row(r, requests, args, roof, reference) for r in results]
@@ -670,6 +741,8 @@ def main(argv=None) -> int:
         print(f"  of the shared {args.system_prompt}-token system prompt: {with_pc - own} tokens computed vs "
               f"{without - own} without ({1 - (with_pc - own) / (without - own):.0%} fewer; the best possible is "
               f"computing it once, {args.system_prompt} tokens, {1 - args.system_prompt / (without - own):.0%} fewer)")
+    if len(args.kv_cache_dtypes) > 1 or args.kv_cache_dtypes != ["auto"]:
+        print_kv_formats(runs, requests, args)
     if tp_folder is not None:
         import shutil
 

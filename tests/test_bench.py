@@ -198,3 +198,23 @@ def test_serve_quick_prints_every_row_and_writes_csv_and_png(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
     lines = (tmp_path / "serve.csv").read_text().splitlines()
     assert len(lines) == 1 + 8 * (len(systems.split(",")) - 1)
+
+
+def test_serve_compares_kv_cache_formats_in_the_same_memory(tmp_path):
+    # 5 float32 blocks' worth of bytes: "auto" preempts, int8 and fp8 hold ~3.5-4x the blocks
+    pytest.importorskip("transformers")
+    out = run_bench("bench/serve.py", "--quick", "--no-progress", "--systems", "engine", "--kv-cache-dtype",
+                    "auto,int8,fp8_e5m2", "--kv-cache-memory", str(5 * 16384), "--rounds", "2", "--out", str(tmp_path))
+    rows = {m[0]: m[1:] for m in re.findall(r"^  (auto|int8|fp8_e5m2)\s+([\d,]+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+"
+                                             r"(\d+)/(\d+)\s+(\d+)/(\d+)\s+[\d.]+/[\d.]+\s+([\d.]+)$", out, re.M)}
+    assert set(rows) == {"auto", "int8", "fp8_e5m2"}, out
+    auto_blocks = int(rows["auto"][2])
+    assert auto_blocks == 5 and rows["auto"][1] == "1.000"
+    for fmt, ratio in (("int8", (32 + 4) / 128), ("fp8_e5m2", 0.25)):  # head_dim 32: int8's scale is 4 bytes more
+        assert float(rows[fmt][1]) == pytest.approx(ratio, abs=1e-3), out
+        assert int(rows[fmt][2]) == int(5 * 16384 / (16384 * ratio)), out
+    assert all(int(p) > 0 for p in rows["auto"][6:8]), out  # the float pool preempts in both rounds
+    for fmt in ("int8", "fp8_e5m2"):
+        assert min(map(int, rows[fmt][4:6])) > max(map(int, rows["auto"][4:6])), out  # more requests running
+    for row in ("engine", "engine int8", "engine fp8_e5m2"):
+        assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+", out, re.M), out
