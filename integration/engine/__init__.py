@@ -1,6 +1,7 @@
 """The serving engine: continuous batching on the paged KV cache.
 
-``llm_engine`` runs the loop; ``scheduler`` picks each step's chunks; ``sampler`` turns logits
+``llm_engine`` runs the loop; ``front_door`` queues what callers on any thread hand it (requests,
+aborts) and checks requests; ``scheduler`` picks each step's chunks; ``sampler`` turns logits
 into tokens; ``sequence`` and ``outputs`` are the records; ``stats`` the capacity report's
 bookkeeping; ``rollback`` what undoes a failed step; ``detokenizer`` turns tokens into text and
 finds stop strings; ``async_engine`` (with ``streams``) drives an engine from asyncio; ``loading``

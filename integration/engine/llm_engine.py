@@ -11,14 +11,12 @@ inside it rolls it back (its requests are requeued as for a recompute, and since
 function of the sequence's seed and position, redoing the step gives the same tokens).
 
 The front door (``add_request``, ``abort_request``, ``has_unfinished_requests``, ``stats``) may be
-used from any thread while one thread steps: requests and aborts are queued under a lock and
+used from any thread while one thread steps: requests and aborts are queued (``front_door``) and
 take effect at the next step boundary.
 """
 
 from __future__ import annotations
 
-import itertools
-import random
 import threading
 import time
 from typing import Optional, Sequence as Seq
@@ -32,7 +30,8 @@ from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, blocks_for_memory, check_full_attention, kv_geometry
 from ..planner import plan_step
-from .outputs import RequestMetrics, RequestOutput
+from .front_door import FrontDoor, build_request, is_int
+from .outputs import RequestOutput
 from .rollback import StepSnapshot
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -82,7 +81,7 @@ class LLMEngine:
             raise ValueError(f"LLMEngine: model must be a transformers PreTrainedModel, got {type(model).__name__}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"LLMEngine: {name} must be a positive int, got {value!r}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"LLMEngine: max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
@@ -91,7 +90,7 @@ class LLMEngine:
             raise ValueError(f"LLMEngine: preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if scheduling_policy not in POLICIES:
             raise ValueError(f"LLMEngine: scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}")
-        if not _is_int(seed):
+        if not is_int(seed):
             raise ValueError(f"LLMEngine: seed must be an int, got {seed!r}")
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         check_full_attention(config, "LLMEngine")
@@ -105,7 +104,7 @@ class LLMEngine:
             most = max_num_seqs * -(-self.max_position_embeddings // block_size)
             num_blocks = blocks_for_memory(kv_cache_memory, geometry.bytes_per_block(block_size, self.kv_cache_dtype),
                                            self.device, most=most, who="LLMEngine")
-        elif not _is_int(num_blocks) or num_blocks < 1:
+        elif not is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"LLMEngine: num_blocks must be a positive int or None, got {num_blocks!r}")
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         if self.kv_cache_dtype != self.dtype and self.kv_pool_class is not KVPool:
@@ -122,16 +121,10 @@ class LLMEngine:
         if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-        self._lock = threading.Lock()  # guards the front door's queue and ids
+        self._door = FrontDoor(seed)
         self._step_lock = threading.Lock()  # one step at a time; stats() reads between steps
-        self._commands: list[tuple[str, object]] = []  # ("add", Request) | ("abort", id), applied in order
-        self._live_ids: set[str] = set()  # added, final output not yet returned by step()
-        self._seeds = random.Random(seed)
-        self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}  # applied and unfinished
         self._ended: list[Request] = []  # aborted or errored outside a step: reported by the next one
-        self._stash: list[RequestOutput] = []  # outputs generate() keeps for the next step()
-        self._dropped: set[str] = set()  # generate() requests abandoned by an exception: never reported
         self.stats_log = StatsLog()
 
     @classmethod
@@ -192,20 +185,17 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """Queue a request; it joins at the next step. Raises ValueError (changing nothing) for a
         bad one. Safe to call from any thread."""
-        self._queue([self._make_request(request_id, prompt_token_ids, params, priority)])
+        self._door.queue([build_request(self, request_id, prompt_token_ids, params, priority)])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at the next step boundary and free its blocks; that step reports it
         with finish_reason "abort", and only then is its id free again. Unknown or finished ids
         are ignored. Safe to call from any thread."""
-        with self._lock:
-            if request_id in self._live_ids:
-                self._commands.append(("abort", request_id))
+        self._door.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether some request added has not had its final output returned yet."""
-        with self._lock:
-            return bool(self._live_ids)
+        return self._door.has_live_requests()
 
     def generate(self, prompts: Seq[Seq[int]], params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` (token id lists) to completion; outputs in the prompts' order.
@@ -215,9 +205,9 @@ class LLMEngine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"generate: {len(params)} SamplingParams for {len(prompts)} prompts")
-        base = f"generate-{next(self._arrivals)}-"
-        requests = [self._make_request(f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
-        self._queue(requests)
+        base = f"generate-{self._door.next_arrival()}-"
+        requests = [build_request(self, f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._door.queue(requests)
         ids = [r.request_id for r in requests]
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
@@ -230,18 +220,14 @@ class LLMEngine:
                             if bar is not None:
                                 bar.update(1)
                     else:
-                        self._stash.append(out)
+                        self._door.keep_for_step(out)
         except BaseException:  # the unfinished ones are aborted at the next step and never reported
-            with self._lock:
-                self._live_ids.difference_update(results)
-                self._dropped.update(i for i in ids if i not in results)
-                self._commands.extend(("abort", i) for i in ids if i not in results)
+            self._door.abandon(ids, results)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        with self._lock:
-            self._live_ids.difference_update(ids)
+        self._door.release(ids)
         return [results[i] for i in ids]
 
     def stats(self, window_s: Optional[float] = None) -> dict:
@@ -254,8 +240,7 @@ class LLMEngine:
             sched, c = self.scheduler, self.stats_log.counters
             states = {status: {s.request.request_id for s in queue} for status, queue in
                       ((Status.RUNNING, sched.running), (Status.WAITING, sched.waiting), (Status.SWAPPED, sched.swapped))}
-            with self._lock:
-                pending = sum(kind == "add" for kind, _ in self._commands)
+            pending = self._door.num_queued_adds()
             return {
                 "running": len(states[Status.RUNNING]),
                 "waiting": len(states[Status.WAITING] - states[Status.RUNNING]) + pending,
@@ -291,11 +276,7 @@ class LLMEngine:
         """One iteration: schedule, run one packed forward, sample. Returns the requests that
         changed (new tokens, finished, aborted or errored). If anything inside raises, the step is
         rolled back and the exception re-raised; the next step goes on."""
-        outputs = self._step()
-        with self._lock:
-            outputs, self._stash = self._stash + outputs, []
-            self._live_ids.difference_update(o.request_id for o in outputs if o.finished)
-        return outputs
+        return self._door.deliver(self._step())
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
@@ -317,22 +298,7 @@ class LLMEngine:
             for seq, _ in scheduled:
                 seq.request.failures = 0
             ended, self._ended = self._ended, []
-            return self._without_dropped([req.output() for req in ended + changed])
-
-    def _without_dropped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Outputs minus those of requests a failed generate() abandoned (whose ids are free once
-        their abort has gone through)."""
-        if not self._dropped:
-            return outputs
-        kept = []
-        with self._lock:
-            for out in outputs:
-                if out.request_id not in self._dropped:
-                    kept.append(out)
-                elif out.finished:
-                    self._dropped.discard(out.request_id)
-                    self._live_ids.discard(out.request_id)
-        return kept
+            return self._door.without_dropped([req.output() for req in ended + changed])
 
     def _run(self, scheduled: list) -> list[Request]:
         """Compute and commit one step; returns the requests that changed."""
@@ -444,57 +410,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def _make_request(self, request_id, prompt_token_ids, params, priority) -> Request:
-        """Validate a request (reading only what never changes) and build its record."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
-        if not _is_int(priority):
-            raise ValueError(f"add_request: priority must be an int, got {priority!r}")
-        if isinstance(prompt_token_ids, torch.Tensor):
-            prompt_token_ids = prompt_token_ids.tolist()
-        try:
-            prompt = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            raise ValueError(f"add_request: prompt_token_ids of {request_id!r} must be a list of ints") from None
-        if not prompt:
-            raise ValueError(f"add_request: the prompt of {request_id!r} is empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"add_request: prompt of {request_id!r} has token ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"add_request: the prompt of {request_id!r} has {len(prompt)} tokens; at most {self.max_model_len - 1} "
-                f"fit (max_position_embeddings {self.max_position_embeddings}, pool of {self.num_blocks} blocks "
-                f"of {self.block_size} tokens), leaving room for one generated token")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"add_request: n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("add_request: SamplingParams.stop needs the engine's tokenizer: LLMEngine(..., tokenizer=...)")
-        return Request(request_id, prompt, params, arrival=0, priority=priority, seed=0,
-                       metrics=RequestMetrics(time.perf_counter()), eos_token_ids=self.eos_token_ids)
-
-    def _queue(self, requests: list[Request]) -> None:
-        """Queue validated requests for the next step boundary, all or none."""
-        with self._lock:
-            ids = [r.request_id for r in requests]
-            taken = [i for i in ids if i in self._live_ids]
-            if taken or len(set(ids)) != len(ids):
-                raise ValueError(f"add_request: request_id {(taken or ids)[0]!r} is already in use by a request "
-                                 "whose final output has not been returned yet")
-            for req in requests:
-                req.arrival = next(self._arrivals)
-                req.seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
-                self._live_ids.add(req.request_id)
-                self._commands.append(("add", req))
-
     def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for kind, item in commands:
+        for kind, item in self._door.take_commands():
             if kind == "add":
                 req = item
                 req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
@@ -537,10 +454,6 @@ class LLMEngine:
         self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs),
                                   "aborted" if reason == "abort" else reason)
         self._ended.append(req)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _progress(total: int, enabled: bool):
