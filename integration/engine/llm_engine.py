@@ -236,39 +236,7 @@ class LLMEngine:
         all), with finished, aborted and errored requests counted apart. Safe from any thread
         (it waits for a running step to end)."""
         with self._step_lock:
-            usage = self.pool.usage()
-            sched, c = self.scheduler, self.stats_log.counters
-            states = {status: {s.request.request_id for s in queue} for status, queue in
-                      ((Status.RUNNING, sched.running), (Status.WAITING, sched.waiting), (Status.SWAPPED, sched.swapped))}
-            pending = self._door.num_queued_adds()
-            return {
-                "running": len(states[Status.RUNNING]),
-                "waiting": len(states[Status.WAITING] - states[Status.RUNNING]) + pending,
-                "swapped": len(states[Status.SWAPPED]),
-                **self.stats_log.latencies(window_s),
-                "active_tokens": usage["tokens_logical"],
-                "blocks_total": usage["blocks_total"],
-                "blocks_used": usage["blocks_used"],
-                "block_utilisation": usage["tokens_stored"] / (usage["blocks_used"] * self.block_size)
-                if usage["blocks_used"] else 0.0,
-                "shared_blocks": usage["blocks_shared"],
-                "prefix_cache_queries": sched.prompt_tokens_looked_up,
-                "prefix_cache_hits": sched.prompt_tokens_cached,
-                "prefix_cache_hit_rate": sched.prompt_tokens_cached / sched.prompt_tokens_looked_up
-                if sched.prompt_tokens_looked_up else 0.0,
-                "prefill_tokens_computed": c["prefill_tokens_computed"],
-                "decode_tokens_computed": c["decode_tokens_computed"],
-                "prompt_tokens": c["prompt_tokens"],
-                "generation_tokens": c["generation_tokens"],
-                "preemptions": sched.num_preemptions,
-                "swapped_blocks_out": sched.swapped_blocks_out,
-                "steps": c["steps"],
-                "failed_steps": c["failed_steps"],
-                "kv_cache_dtype": quantized.cache_dtype_name(self.kv_cache_dtype),
-                "kv_bytes_per_block": self.kv_bytes_per_block,
-                "kv_bytes_in_use": usage["kv_bytes_used"],
-                "peak_kv_bytes": c["peak_blocks_used"] * self.kv_bytes_per_block,
-            }
+            return self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
 
     # ------------------------------------------------------------------ one iteration
 

@@ -1,4 +1,5 @@
-"""The capacity report's bookkeeping: step counters and the timeline of every ended request."""
+"""The capacity report (``LLMEngine.stats()``) and its bookkeeping: step counters and the timeline of
+every ended request."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from typing import Optional
 
 import torch
 
+from minipaged_ops import quantized
+
 from .outputs import RequestMetrics
+from .sequence import Status
 
 __all__ = ["EndedRequest", "StatsLog"]
 
@@ -28,6 +32,42 @@ class StatsLog:
 
     def record_end(self, metrics: RequestMetrics, num_output_tokens: int, reason: str) -> None:
         self.ended.append(EndedRequest(metrics, num_output_tokens, reason))
+
+    def report(self, pool, scheduler, num_queued_adds: int, window_s: Optional[float] = None) -> dict:
+        """``LLMEngine.stats()``: queues (``num_queued_adds``: added, not yet taken by a step), pool
+        use, prefix-cache hit rate, preemptions, the counters and :meth:`latencies`."""
+        usage = pool.usage()
+        sched, c = scheduler, self.counters
+        states = {status: {s.request.request_id for s in queue} for status, queue in
+                  ((Status.RUNNING, sched.running), (Status.WAITING, sched.waiting), (Status.SWAPPED, sched.swapped))}
+        return {
+            "running": len(states[Status.RUNNING]),
+            "waiting": len(states[Status.WAITING] - states[Status.RUNNING]) + num_queued_adds,
+            "swapped": len(states[Status.SWAPPED]),
+            **self.latencies(window_s),
+            "active_tokens": usage["tokens_logical"],
+            "blocks_total": usage["blocks_total"],
+            "blocks_used": usage["blocks_used"],
+            "block_utilisation": usage["tokens_stored"] / (usage["blocks_used"] * pool.block_size)
+            if usage["blocks_used"] else 0.0,
+            "shared_blocks": usage["blocks_shared"],
+            "prefix_cache_queries": sched.prompt_tokens_looked_up,
+            "prefix_cache_hits": sched.prompt_tokens_cached,
+            "prefix_cache_hit_rate": sched.prompt_tokens_cached / sched.prompt_tokens_looked_up
+            if sched.prompt_tokens_looked_up else 0.0,
+            "prefill_tokens_computed": c["prefill_tokens_computed"],
+            "decode_tokens_computed": c["decode_tokens_computed"],
+            "prompt_tokens": c["prompt_tokens"],
+            "generation_tokens": c["generation_tokens"],
+            "preemptions": sched.num_preemptions,
+            "swapped_blocks_out": sched.swapped_blocks_out,
+            "steps": c["steps"],
+            "failed_steps": c["failed_steps"],
+            "kv_cache_dtype": quantized.cache_dtype_name(pool.dtype),
+            "kv_bytes_per_block": pool.bytes_per_block,
+            "kv_bytes_in_use": usage["kv_bytes_used"],
+            "peak_kv_bytes": c["peak_blocks_used"] * pool.bytes_per_block,
+        }
 
     def latencies(self, window_s: Optional[float] = None) -> dict:
         """Counts of ended requests by how they ended, and latency percentiles (seconds), over the
