@@ -70,7 +70,7 @@ def small_engine(**kwargs):
 
 
 # every place a step can fail, on the engine instance: (attribute path, when to raise)
-FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "_forward", "sampler.__call__",
+FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "sampler.__call__",
                   "_record_prompt_logprobs", "_accept", "scheduler.finish", "_fork"]
 
 
@@ -133,14 +133,14 @@ def test_nan_logits_under_sampling_roll_back_and_the_run_equals_a_clean_one(monk
     expected = tokens(drain(clean))
     engine = small_engine()
     workload(engine)
-    forward, calls = engine._forward, {"n": 0}
+    forward, calls = engine.run_model, {"n": 0}
 
     def nan_once(meta):
         logits = forward(meta)
         calls["n"] += 1
         return logits.fill_(float("nan")) if calls["n"] == 2 else logits
 
-    monkeypatch.setattr(engine, "_forward", nan_once)
+    monkeypatch.setattr(engine, "run_model", nan_once)
     failures = []
     assert tokens(drain(engine, on_error=failures.append)) == expected
     assert len(failures) == 1
@@ -153,14 +153,14 @@ def test_a_request_that_always_fails_ends_with_error_and_the_others_equal_their_
     prompts = [[t if t != poison else poison + 1 for t in p] for p in prompts]
     bad = prompts_of([8], seed=22)[0] + [poison]
     engine = LLMEngine(engine_model(), num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    forward = engine._forward
+    forward = engine.run_model
 
     def fails_on_poison(meta):
         if (meta.input_ids == poison).any():
             raise RuntimeError("planted: this request always fails")
         return forward(meta)
 
-    monkeypatch.setattr(engine, "_forward", fails_on_poison)
+    monkeypatch.setattr(engine, "run_model", fails_on_poison)
     for i, p in enumerate(prompts[:2]):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6))
     engine.add_request("bad", bad, SamplingParams(max_tokens=6))

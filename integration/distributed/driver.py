@@ -177,10 +177,10 @@ class TensorParallelLLMEngine(LLMEngine):
         call = {k: v for k, v in kwargs.items() if k != "minipaged_kv_caches"}
         self._tp.send(("step", self.pool.take_moves(), to_host(call)))
 
-    def _forward(self, meta) -> torch.Tensor:
+    def run_model(self, meta) -> torch.Tensor:
         self._tp.check_usable()
         try:
-            return super()._forward(meta)
+            return super().run_model(meta)
         except TensorParallelError:
             raise
         except BaseException as error:  # mid-collective: the ranks no longer agree on what comes next
@@ -203,7 +203,7 @@ class TensorParallelLLMEngine(LLMEngine):
         """Stop the workers and leave the process group (idempotent; also at interpreter exit).
         Waits for a step running in another thread: a stop sent mid-step would meet the
         workers inside that step's collectives."""
-        with self._step_lock:
+        with self.step_lock:
             self._send_hook.remove()
             self._tp.shutdown()
 

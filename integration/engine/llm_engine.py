@@ -122,7 +122,7 @@ class LLMEngine:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
         self._door = FrontDoor(seed)
-        self._step_lock = threading.Lock()  # one step at a time; stats() reads between steps
+        self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
         self._requests: dict[str, Request] = {}  # applied and unfinished
         self._ended: list[Request] = []  # aborted or errored outside a step: reported by the next one
         self.stats_log = StatsLog()
@@ -235,7 +235,7 @@ class LLMEngine:
         percentiles (seconds) over the requests that ended in the last ``window_s`` seconds (None:
         all), with finished, aborted and errored requests counted apart. Safe from any thread
         (it waits for a running step to end)."""
-        with self._step_lock:
+        with self.step_lock:
             return self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
 
     # ------------------------------------------------------------------ one iteration
@@ -248,7 +248,7 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
-        with self._step_lock:
+        with self.step_lock:
             self._apply_commands()
             scheduled: list = []
             snapshot = StepSnapshot(self.scheduler, self.stats_log)
@@ -272,7 +272,7 @@ class LLMEngine:
         """Compute and commit one step; returns the requests that changed."""
         self.pool.apply_copies()
         meta = plan_step(self.pool.block_manager, [c for _, c in scheduled], self.device)
-        logits = self._forward(meta)
+        logits = self.run_model(meta)
         c = self.stats_log.counters
         c["steps"] += 1
         for seq, chunk in scheduled:
@@ -310,8 +310,9 @@ class LLMEngine:
                 self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs), "finished")
         return list(changed.values())
 
-    def _forward(self, meta) -> torch.Tensor:
-        """The model on one packed step: logits of the rows ``meta.logits_indices`` names."""
+    def run_model(self, meta) -> torch.Tensor:
+        """The model on one packed step: logits of the rows ``meta.logits_indices`` names (the
+        tensor-parallel engine wraps it to fail its workers cleanly)."""
         return self.model(
             input_ids=meta.input_ids[None], position_ids=meta.position_ids[None], use_cache=False,
             logits_to_keep=meta.logits_indices, minipaged_step=meta, minipaged_kv_caches=self.pool.kv_caches,
