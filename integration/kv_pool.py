@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -95,11 +96,18 @@ class LayerScales:
     key: torch.Tensor
     value: torch.Tensor
     pending: bool = False
+    # tensor parallelism: replaces a tensor of this rank's maxima by the maxima over the ranks, so
+    # every rank's share of the heads gets the scales one process would set
+    amax_all_reduce: Optional[Callable[[torch.Tensor], None]] = None
 
     def calibrate(self, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> None:
         """Set the fp8 scales from this batch's absolute maxima, once."""
-        self.key.copy_(quantized.layer_scale_for(key, dtype))
-        self.value.copy_(quantized.layer_scale_for(value, dtype))
+        amax = torch.stack([key.detach().abs().amax(), value.detach().abs().amax()]).float()
+        if self.amax_all_reduce is not None:
+            self.amax_all_reduce(amax)
+        scales = quantized.scale_for_amax(amax, dtype)
+        self.key.copy_(scales[:1])
+        self.value.copy_(scales[1:])
         self.pending = False
 
 
@@ -113,10 +121,12 @@ class KVPool:
             of a ``kv_cache_dtype``), whose scales the pool then holds (``kv_scales``).
         huge_pages: CPU pools in 2 MiB transparent huge pages (see ``allocate_kv_cache``).
         calculate_kv_scales: fp8 pools: set each layer's scales from the first batch it writes.
+        amax_all_reduce: with ``calculate_kv_scales`` under tensor parallelism, the maxima over the
+            ranks (see ``LayerScales``).
     """
 
     def __init__(self, geometry: KVGeometry, block_manager: KVBlockManager, *, dtype: torch.dtype, device,
-                 huge_pages: bool = True, calculate_kv_scales: bool = False):
+                 huge_pages: bool = True, calculate_kv_scales: bool = False, amax_all_reduce=None):
         self.geometry = geometry
         self.dtype = dtype
         self.device = torch.device(device)
@@ -133,7 +143,8 @@ class KVPool:
             pending = calculate_kv_scales and dtype != torch.int8
             self.kv_scales = tuple(
                 LayerScales(*quantized.new_scales(dtype, block_manager.num_blocks, geometry.num_kv_heads,
-                                                  block_manager.block_size, self.device), pending=pending)
+                                                  block_manager.block_size, self.device), pending=pending,
+                            amax_all_reduce=amax_all_reduce)
                 for _ in range(geometry.num_layers))
 
     @property

@@ -63,6 +63,10 @@ def scale_bytes_per_block(dtype: torch.dtype, num_kv_heads: int, block_size: int
 def layer_scale_for(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An fp8 layer scale from a batch of K (or V) rows: absolute maximum / the format's maximum,
     as vLLM's calculate_kv_scales does (1.0 for an all-zero batch). A float32 tensor of one element."""
-    amax = rows.detach().abs().amax().float().reshape(1)
+    return scale_for_amax(rows.detach().abs().amax().float().reshape(1), dtype)
+
+
+def scale_for_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 scales from float32 absolute maxima: ``amax`` / the format's maximum (1.0 where it is 0)."""
     scale = amax / FORMAT_MAX[dtype]
     return torch.where(scale > 0, scale, torch.ones_like(scale))

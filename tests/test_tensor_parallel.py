@@ -228,6 +228,31 @@ def test_torchrun_two_nodes_serve_one_request(model_dir):
     assert reply["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8_bit_kv_cache_outputs_equal_single_process(model_dir, kv_cache_dtype):
+    """Each rank's pool holds its own kv heads in 8 bits: int8's per-token scales are its own, fp8's
+    per-layer scales (calculated from the first batch) are the maxima over every rank's heads, so
+    the tokens are those of one process with the same format, through swaps, prefix hits and n = 3."""
+    kv = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
+    model, _ = load_pretrained(model_dir, dtype="float32", device="cpu")
+    single = LLMEngine(model, **ENGINE_ARGS, **kv)
+    want, stats = _scenario(single)
+    with start_engine(model_dir, 2, dtype="float32", device="cpu", tokenizer=None, **ENGINE_ARGS, **kv) as engine:
+        got, tp_stats = _scenario(engine)
+        scales = [(float(s.key), float(s.value)) for s in engine.pool.kv_scales] if kv["calculate_kv_scales"] else []
+    _assert_no_children()
+    assert got == want
+    assert tp_stats["preemptions"] == stats["preemptions"] > 0 and tp_stats["swapped_blocks_out"] > 0
+    assert tp_stats["kv_cache_dtype"] == kv_cache_dtype
+    # head_dim 16: one byte per element, int8 with a float32 scale per token and kv head
+    float32 = LLMEngine(model, num_blocks=4).kv_bytes_per_block
+    assert 2 * tp_stats["kv_bytes_per_block"] == stats["kv_bytes_per_block"] == float32 * (16 + 4 * (
+        kv_cache_dtype == "int8")) // (4 * 16)
+    # rank 0 holds kv head 0 only: without the maxima over the ranks its scales would be its own
+    for (key, value), s in zip(scales, single.pool.kv_scales):
+        assert key == pytest.approx(float(s.key), rel=1e-5) and value == pytest.approx(float(s.value), rel=1e-5)
+
+
 # The engines of the module's fixtures live from here to the end of the file: these tests come last.
 
 

@@ -24,6 +24,7 @@ block, and interpreter exit stop the workers; a worker whose driver died exits b
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import subprocess
@@ -38,7 +39,7 @@ from ..engine.llm_engine import LLMEngine
 from .channel import StepChannel, to_host
 from .group import TPGroup, free_port, join_group, launched_by_torchrun, leave_group, rendezvous_store
 from .pool_moves import DriverKVPool
-from .sharding import check_shardable, collective_seconds
+from .sharding import all_reduce_max, check_shardable, collective_seconds
 from . import worker
 from .worker import RankSpec, load_shard, serve_steps, share_cpu
 
@@ -153,10 +154,11 @@ class TensorParallelLLMEngine(LLMEngine):
     for its ``num_kv_heads / N`` heads, so ``kv_bytes_per_block`` (in ``stats()``) is one rank's.
     """
 
-    kv_pool_class = DriverKVPool
-
     def __init__(self, model, *args, tensor_parallel_driver: _Driver, **kwargs):
         self._tp = tensor_parallel_driver
+        # fp8 scales calculated from the first batch: the maxima over every rank's heads
+        self.kv_pool_class = functools.partial(DriverKVPool,
+                                               amax_all_reduce=all_reduce_max(tensor_parallel_driver.group.compute))
         super().__init__(model, *args, **kwargs)
         self._send_hook = model.register_forward_pre_hook(self._send_step, with_kwargs=True)
 
@@ -174,7 +176,7 @@ class TensorParallelLLMEngine(LLMEngine):
         if args or kwargs.get("minipaged_step") is None:
             raise TensorParallelError("a tensor-parallel model runs only inside its engine's step(): its workers "
                                       "join every forward through the engine's broadcast")
-        call = {k: v for k, v in kwargs.items() if k != "minipaged_kv_caches"}
+        call = {k: v for k, v in kwargs.items() if k not in ("minipaged_kv_caches", "minipaged_kv_scales")}
         self._tp.send(("step", self.pool.take_moves(), to_host(call)))
 
     def run_model(self, meta) -> torch.Tensor:
@@ -258,7 +260,8 @@ def start_engine(path, tensor_parallel_size: int, *, dtype=None, device=None,
             workers.wait_for(store, keys, startup_timeout_s, "loading the model")
         else:
             store.wait(keys)
-        driver.send(("pool", engine.num_blocks, engine.block_size))
+        driver.send(("pool", engine.num_blocks, engine.block_size, engine_args.get("kv_cache_dtype", "auto"),
+                     bool(engine_args.get("calculate_kv_scales", False))))
     except BaseException:
         workers.stop(5.0)
         leave_group()

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["check_shardable", "collective_seconds", "shard_model", "tp_plan"]
+__all__ = ["all_reduce_max", "check_shardable", "collective_seconds", "shard_model", "tp_plan"]
 
 _collective_seconds = 0.0  # this process's host time in the model's collectives
 
@@ -56,6 +56,12 @@ def _timed(collective, *args, **kwargs) -> None:
     start = time.perf_counter()
     collective(*args, **kwargs)
     _collective_seconds += time.perf_counter() - start
+
+def all_reduce_max(group):
+    """A function that replaces a tensor by its elementwise maximum over ``group``'s ranks (an
+    8-bit pool's fp8 scales: ``kv_pool.LayerScales``)."""
+    return lambda t: _timed(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
+
 
 _COLWISE, _ROWWISE = "colwise", "rowwise"
 _REPLICATED = ("replicated_with_grad_allreduce", "replicate")  # every rank keeps the whole parameter

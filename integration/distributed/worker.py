@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from minipaged_ops import quantized
 from minipaged_ops.block_manager import KVBlockManager
 
 from ..attention import ATTN_IMPLEMENTATION
@@ -29,7 +30,7 @@ from ..kv_pool import KVPool, kv_geometry
 from .channel import StepChannel, to_device
 from .group import TPGroup, join_group, leave_group, rendezvous_store
 from .pool_moves import WorkerMoves
-from .sharding import shard_model
+from .sharding import all_reduce_max, shard_model
 
 __all__ = ["RankSpec", "load_shard", "serve_steps", "share_cpu"]
 
@@ -76,7 +77,8 @@ def load_shard(spec: RankSpec, group: TPGroup):
 
 @torch.inference_mode()
 def serve_steps(group: TPGroup, model, channel: StepChannel) -> None:
-    """The worker loop. Messages: ``("pool", num_blocks, block_size)`` (once, first),
+    """The worker loop. Messages: ``("pool", num_blocks, block_size, kv_cache_dtype,
+    calculate_kv_scales)`` (once, first),
     ``("step", moves, forward_kwargs)`` and ``("stop",)``."""
     pool = moves = None
     while True:
@@ -85,16 +87,18 @@ def serve_steps(group: TPGroup, model, channel: StepChannel) -> None:
         if kind == "stop":
             return
         if kind == "pool":
-            _, num_blocks, block_size = message
-            param = next(model.parameters())
+            _, num_blocks, block_size, kv_cache_dtype, calculate_kv_scales = message
+            dtype = quantized.cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
             # the block manager only sizes the pool: the driver's decides where every token goes
-            pool = KVPool(kv_geometry(model), KVBlockManager(num_blocks, block_size), dtype=param.dtype,
-                          device=group.device)
+            pool = KVPool(kv_geometry(model), KVBlockManager(num_blocks, block_size), dtype=dtype,
+                          device=group.device, calculate_kv_scales=calculate_kv_scales,
+                          amax_all_reduce=all_reduce_max(group.compute))
             moves = WorkerMoves(pool)
         elif kind == "step":
             _, step_moves, kwargs = message
             moves.replay(step_moves)
-            model(**to_device(kwargs, group.device), minipaged_kv_caches=pool.kv_caches)
+            model(**to_device(kwargs, group.device), minipaged_kv_caches=pool.kv_caches,
+                  minipaged_kv_scales=pool.kv_scales)
         else:
             raise ValueError(f"tensor-parallel worker: unknown message {kind!r}")
 

@@ -107,8 +107,6 @@ class LLMEngine:
         elif not is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"LLMEngine: num_blocks must be a positive int or None, got {num_blocks!r}")
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        if self.kv_cache_dtype != self.dtype and self.kv_pool_class is not KVPool:
-            raise ValueError(f"LLMEngine: kv_cache_dtype={kv_cache_dtype!r} is not supported with tensor parallelism yet")
         self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
         self.max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
