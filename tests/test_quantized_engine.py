@@ -47,6 +47,11 @@ def test_unknown_kv_cache_dtype_is_a_value_error():
         LLMEngine(model, num_blocks=8, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected .* got 'fp8'"):
         PagedKVCache(model, num_blocks=8, kv_cache_dtype="fp8")
+    # on a config the pool is made only when the cache meets its model: the name is checked at once
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected .* got 'FP8_E4M3'"):
+        PagedKVCache(model.config, num_blocks=8, kv_cache_dtype="FP8_E4M3")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected .* got torch.int8"):  # the name, not the dtype
+        LLMEngine(model, num_blocks=8, kv_cache_dtype=torch.int8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
