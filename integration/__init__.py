@@ -12,7 +12,8 @@ Importing it registers the ``"minipaged"`` attention implementation in transform
 
 Layout: ``kv_pool`` (the per-layer pools, the block manager, copies and swaps), ``planner`` (a
 step's metadata, host side), ``attention`` (what runs inside each layer), ``cache`` (the
-``generate()`` adapter), ``engine/`` (the serving engine).
+``generate()`` adapter) with ``cache_batch`` (its batch's rows and the plan of each forward),
+``engine/`` (the serving engine).
 """
 
 from minipaged_ops.block_manager import OutOfBlocksError

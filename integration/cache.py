@@ -10,17 +10,15 @@ and continued conversations, over their paged history). ``cache.update`` returns
 untouched.
 
 Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
-``input_ids``, the attention mask and the cache before every forward. It allocates slots through
-the block manager (pad tokens of left-padded batches are not part of the step, so they are never
-stored), performs the copy-on-write block copies the manager asks for with ``copy_blocks``, and
-plans the step. A decode step's tensors are copied into persistent buffers of fixed shape, so a
-compiled decode step sees the same tensors every step and is not recompiled. A forward post-hook
-then commits the step (the sequence length transformers sees grows by the number of new columns).
+``input_ids``, the attention mask and the cache before every forward. The batch's rows
+(:class:`~.cache_batch.CacheBatch`) then allocate slots through the block manager (pad tokens of
+left-padded batches are not part of the step, so they are never stored), perform the
+copy-on-write block copies the manager asks for, and plan the step. A forward post-hook then
+commits the step (the sequence length transformers sees grows by the number of new columns).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 
@@ -31,10 +29,8 @@ from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
 from . import _compat
 from .attention import ATTN_IMPLEMENTATION
+from .cache_batch import CacheBatch
 from .kv_pool import KVPool, check_full_attention, kv_geometry
-from .planner import ScheduledChunk, StepMetadata, plan_step
-
-_CHUNKS, _DECODE = "chunks", "decode"
 
 
 class PagedLayer(_compat.CacheLayerMixin):
@@ -127,23 +123,16 @@ class PagedKVCache(_compat.Cache):
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.pool: KVPool | None = None  # made when the cache binds to its model
         max_pos = getattr(config, "max_position_embeddings", None)
-        self._max_blocks_per_seq = min(num_blocks, math.ceil(max_pos / block_size)) if max_pos else num_blocks
+        self._batch = CacheBatch(self.block_manager,
+                                 min(num_blocks, math.ceil(max_pos / block_size)) if max_pos else num_blocks)
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
         if model is not None and dtype is not None and dtype != model.dtype:
             raise ValueError(_dtype_mismatch(dtype, model.dtype))
         self._dtype, self._device = dtype, None if device is None else torch.device(device)
 
-        # batch state
-        self._rows: list[int] = []  # batch row -> sequence id in the block manager
-        self._next_seq_id = 0
         self._columns = 0  # sequence length as transformers sees it (padding columns included)
-        self._mode: str | None = None
         self._in_step = False
         self._step_columns = 0
-        self._step: StepMetadata | None = None  # the planner's metadata (decode: on persistent buffers)
-        self._block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks_per_seq]
-        self._seq_lens: torch.Tensor | None = None  # int32 [batch]
-        self._slot_buf: torch.Tensor | None = None  # int64 [batch] (decode slot mapping)
         self.peak_blocks_used = 0
 
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -183,7 +172,7 @@ class PagedKVCache(_compat.Cache):
     @property
     def sequence_ids(self) -> list[int]:
         """Block-manager sequence id of each batch row."""
-        return list(self._rows)
+        return list(self._batch.rows)
 
     def attach(self, model: torch.nn.Module) -> "PagedKVCache":
         """Bind the cache to ``model`` (a ``torch.compile`` or PEFT wrapper is unwrapped), install
@@ -199,18 +188,9 @@ class PagedKVCache(_compat.Cache):
         """Release every sequence: all blocks go back to the pool. With prefix caching, full
         blocks stay findable until reused, so a later prompt sharing a prefix finds them again;
         ``clear_prefix_cache=True`` forgets them too."""
-        bm = self.block_manager
-        if clear_prefix_cache:
-            bm.reset()
-        else:
-            for sid in self._rows:
-                bm.release_sequence(sid)
-            bm.take_copies()
-        self._rows = []
+        self._batch.reset(clear_prefix_cache)
         self._columns = 0
-        self._mode = None
         self._in_step = False
-        self._step = None
 
     # --------------------------------------------------------- transformers Cache API
 
@@ -229,7 +209,7 @@ class PagedKVCache(_compat.Cache):
         return self._columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        if self._in_step and self._mode == _DECODE:
+        if self._in_step and self._batch.decoding:
             return 0  # see get_mask_sizes: a constant inside the compiled decode step
         return self._columns
 
@@ -238,7 +218,7 @@ class PagedKVCache(_compat.Cache):
         block tables and ignores the mask, so its mask is a constant ``[batch, 1, 1, 1]``
         (offsets 0): the compiled decode step then has no input whose shape or value changes
         from step to step (no recompilation, CUDA graphs replay as recorded)."""
-        if query_length == 1 and self._rows:
+        if query_length == 1 and self._batch.rows:
             return 1, 0
         return self._columns + query_length, 0
 
@@ -255,7 +235,7 @@ class PagedKVCache(_compat.Cache):
         self._regather(indices.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._regather([i for i in range(len(self._rows)) for _ in range(repeats)])
+        self._regather([i for i in range(len(self._batch.rows)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("PagedKVCache cannot be cropped (assisted decoding is not supported)")
@@ -263,7 +243,7 @@ class PagedKVCache(_compat.Cache):
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.num_layers}, "
-            f"sequences={len(self._rows)}, free_blocks={self.block_manager.num_free_blocks})"
+            f"sequences={len(self._batch.rows)}, free_blocks={self.block_manager.num_free_blocks})"
         )
 
     # ------------------------------------------------------------------ hook side
@@ -284,23 +264,24 @@ class PagedKVCache(_compat.Cache):
         self._ensure_pool(model)
         self._check_pool(device, model.dtype)
         tokens = input_ids.tolist() if input_ids is not None else None
-        if self._rows and batch != len(self._rows):
+        rows = self._batch.rows
+        if rows and batch != len(rows):
             raise ValueError(
-                f"PagedKVCache holds {len(self._rows)} sequences but the forward has batch {batch}; "
+                f"PagedKVCache holds {len(rows)} sequences but the forward has batch {batch}; "
                 "call cache.reset() before generating for a new batch"
             )
         try:
-            if q == 1 and self._rows:
+            if q == 1 and rows:
                 # decode: every row appends its token (generate never feeds padding after the prompt)
-                self._decode(tokens, device)
+                self._batch.decode(tokens, self.pool, device)
             else:
                 past = self._columns
                 real = _compat.padding_mask(attention_mask, batch, past + q, device)
                 new_real = real[:, past:].tolist() if real is not None else [[True] * q for _ in range(batch)]
-                if not self._rows:
-                    self._start_batch(batch, q, tokens, new_real, device)
+                if not rows:
+                    self._batch.start(batch, q, tokens, new_real, device)
                 else:
-                    self._extend(q, tokens, new_real, device)
+                    self._batch.extend(q, tokens, new_real, self.pool, device)
         except OutOfBlocksError as err:
             # the batch cannot go on: free it, so the cache is ready for the next generate
             self.reset()
@@ -314,7 +295,7 @@ class PagedKVCache(_compat.Cache):
     def _attention_kwargs(self) -> dict:
         """What the forward passes down to the attention function this step: the step's metadata
         and the pools."""
-        return {"minipaged_step": self._step, "minipaged_kv_caches": self.pool.kv_caches,
+        return {"minipaged_step": self._batch.step, "minipaged_kv_caches": self.pool.kv_caches,
                 "minipaged_kv_scales": self.pool.kv_scales}
 
     def _end_step(self) -> None:
@@ -322,133 +303,12 @@ class PagedKVCache(_compat.Cache):
             self._columns += self._step_columns
             self._in_step = False
 
-    def _start_batch(self, batch, q, tokens, new_real, device) -> None:
-        bm, bs = self.block_manager, self.block_size
-        free_before = bm.num_free_blocks
-        rows, created, cached_counts = [], [], []
-        seen: dict[tuple, int] = {}
-        try:
-            for b in range(batch):
-                cols = [j for j in range(q) if new_real[b][j]]
-                toks = [tokens[b][j] for j in cols] if tokens is not None else None
-                sid = self._new_seq_id()
-                key = tuple(toks) if toks is not None else None
-                if key is not None and key in seen:
-                    # identical prompt in the batch (num_return_sequences, beams): share every
-                    # block, partial last one included; copy-on-write splits them later
-                    bm.fork(seen[key], sid)
-                    cached_counts.append(len(cols))  # the first copy writes them
-                else:
-                    cached_counts.append(
-                        bm.create_sequence(sid, token_ids=toks, num_tokens=None if toks is not None else len(cols)))
-                    if key is not None:
-                        seen[key] = sid
-                created.append(sid)
-                rows.append(sid)
-        except OutOfBlocksError as err:
-            for sid in created:
-                bm.release_sequence(sid)
-            bm.take_copies()
-            real_tokens = sum(sum(r) for r in new_real)
-            needed = sum(math.ceil(sum(r) / bs) for r in new_real)
-            raise OutOfBlocksError(
-                f"PagedKVCache: prefill of {batch} sequences ({real_tokens} tokens) needs up to {needed} "
-                f"blocks of {bs} tokens but {free_before} of {self.num_blocks} are free; "
-                f"build the cache with more blocks ({err})",
-                needed=needed,
-                free=free_before,
-            ) from None
-        self._rows = rows
-        self._set_batch_buffers(batch, device)
-        self._refresh_tables()
-        self._plan_prefill(q, tokens, new_real, cached_counts, device)
-
-    def _decode(self, tokens, device) -> None:
-        """One token per row: the engine's planner makes the step (every row a one-token chunk),
-        whose tensors are then copied into the persistent buffers, so a compiled decode step
-        sees the same tensors every step."""
-        bm = self.block_manager
-        self._check_room([1] * len(self._rows))
-        chunks = []
-        for b, sid in enumerate(self._rows):
-            token = tokens[b][0] if tokens is not None else None
-            bm.append_token(sid, token)
-            chunks.append(ScheduledChunk(sid, [0 if token is None else token], bm.sequence_length(sid) - 1))
-        self.pool.apply_copies()
-        meta = plan_step(bm, chunks, device)
-        self._ensure_width(meta.block_tables.shape[1])
-        self._slot_buf.copy_(meta.slot_mapping)
-        self._seq_lens.copy_(meta.seq_lens)
-        self._block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self._step = dataclasses.replace(
-            meta, slot_mapping=self._slot_buf, seq_lens=self._seq_lens, block_tables=self._block_tables
-        )
-        self._mode = _DECODE
-
-    def _extend(self, q, tokens, new_real, device) -> None:
-        bm = self.block_manager
-        self._check_room([sum(r) for r in new_real])
-        for b, sid in enumerate(self._rows):
-            cols = [j for j in range(q) if new_real[b][j]]
-            toks = [tokens[b][j] for j in cols] if tokens is not None else None
-            bm.append_tokens(sid, toks, num_tokens=None if toks is not None else len(cols))
-        self.pool.apply_copies()
-        self._refresh_tables()
-        self._plan_prefill(q, tokens, new_real, [0] * len(self._rows), device)
-
-    def _plan_prefill(self, q, tokens, new_real, cached_counts, device) -> None:
-        """Prompts or a continuation (a chat turn): each row's real new tokens are one chunk of
-        the shared planner, attended over the row's paged history like the engine's prefill
-        chunks. Padding columns are not part of the step: ``token_index`` maps the step's packed
-        tokens to their places among the forward's ``batch * q`` columns."""
-        bm = self.block_manager
-        chunks, index = [], []
-        for b, sid in enumerate(self._rows):
-            cols = [j for j in range(q) if new_real[b][j]]
-            if not cols:
-                continue  # only padding in this row's new columns
-            toks = [tokens[b][j] for j in cols] if tokens is not None else [0] * len(cols)
-            chunks.append(ScheduledChunk(sid, toks, bm.sequence_length(sid) - len(cols), cached=cached_counts[b]))
-            index.extend(b * q + j for j in cols)
-        meta = plan_step(bm, chunks, device)
-        if len(index) != len(self._rows) * q:
-            meta = dataclasses.replace(meta, token_index=torch.tensor(index, dtype=torch.int64).to(device))
-        self._step = meta
-        self._mode = _CHUNKS
-
     def _regather(self, src_rows: list[int]) -> None:
-        """New row ``i`` continues old row ``src_rows[i]``: forks where an old row is used more
-        than once, releases old rows no longer used."""
         if self._in_step:
             raise RuntimeError("PagedKVCache: cannot reorder during a forward")
-        bm, old = self.block_manager, self._rows
-        if not old:
-            return
-        used: set[int] = set()
-        new_rows = []
-        for src in src_rows:
-            if not 0 <= src < len(old):
-                raise IndexError(f"PagedKVCache: row index {src} out of range for {len(old)} rows")
-            if src in used:
-                child = self._new_seq_id()
-                bm.fork(old[src], child)
-                new_rows.append(child)
-            else:
-                used.add(src)
-                new_rows.append(old[src])
-        for j, sid in enumerate(old):
-            if j not in used:
-                bm.release_sequence(sid)
-        self._rows = new_rows
-        device = self._block_tables.device
-        self._set_batch_buffers(len(new_rows), device)
-        self._refresh_tables()
+        self._batch.regather(src_rows)
 
-    # ------------------------------------------------------------------ helpers
-
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
+    # ------------------------------------------------------------------ the pools
 
     def _ensure_pool(self, model: torch.nn.Module) -> None:
         """Allocate the pools for ``model`` (geometry from its attention modules) if not yet made."""
@@ -476,44 +336,6 @@ class PagedKVCache(_compat.Cache):
     def _check_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
         if cache_dtype != model_dtype:
             raise ValueError(_dtype_mismatch(cache_dtype, model_dtype))
-
-    def _set_batch_buffers(self, batch: int, device) -> None:
-        if self._block_tables is not None and self._block_tables.shape[0] == batch and self._block_tables.device == device:
-            return
-        self._block_tables = torch.zeros(batch, self._max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
-        self._slot_buf = torch.zeros(batch, dtype=torch.int64, device=device)
-        for t in (self._block_tables, self._seq_lens, self._slot_buf):
-            torch._dynamo.mark_static_address(t)
-
-    def _ensure_width(self, blocks: int) -> None:
-        if blocks > self._block_tables.shape[1]:  # longer than max_position_embeddings: grow
-            self._max_blocks_per_seq = max(blocks, 2 * self._block_tables.shape[1])
-            old = self._block_tables
-            self._block_tables = torch.zeros(old.shape[0], self._max_blocks_per_seq, dtype=old.dtype, device=old.device)
-            self._block_tables[:, : old.shape[1]] = old
-            torch._dynamo.mark_static_address(self._block_tables)
-
-    def _refresh_tables(self) -> None:
-        tables, lens = self.block_manager.get_batch_tensors(self._rows)
-        self._ensure_width(tables.shape[1])
-        self._block_tables.zero_()
-        self._block_tables[:, : tables.shape[1]].copy_(tables)
-        self._seq_lens.copy_(lens)
-
-    def _check_room(self, counts: list[int]) -> None:
-        """Raise OutOfBlocksError, before changing anything, if appending ``counts[i]`` tokens to
-        row ``i`` needs more blocks (new blocks plus copy-on-write copies) than are free."""
-        bm = self.block_manager
-        needed = bm.blocks_needed_to_append([(sid, n) for sid, n in zip(self._rows, counts)])
-        free = bm.num_free_blocks
-        if needed > free:
-            raise OutOfBlocksError(
-                f"PagedKVCache: the next step of {len(self._rows)} sequences needs {needed} more blocks of "
-                f"{self.block_size} tokens but {free} of {self.num_blocks} are free; build the cache with more blocks",
-                needed=needed,
-                free=free,
-            )
 
 
 def _dtype_mismatch(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
