@@ -2,10 +2,10 @@
 
 ``llm_engine`` runs the loop; ``front_door`` queues what callers on any thread hand it (requests,
 aborts) and checks requests; ``scheduler`` picks each step's chunks; ``sampler`` turns logits
-into tokens; ``sequence`` and ``outputs`` are the records; ``stats`` the capacity report's
-bookkeeping; ``rollback`` what undoes a failed step; ``detokenizer`` turns tokens into text and
-finds stop strings; ``async_engine`` (with ``streams``) drives an engine from asyncio; ``loading``
-reads a model folder.
+into tokens and ``logprobs`` into the log-probabilities reported; ``sequence`` and ``outputs``
+are the records; ``stats`` the capacity report and its bookkeeping; ``rollback`` what undoes a
+failed step; ``detokenizer`` turns tokens into text and finds stop strings; ``async_engine``
+(with ``streams``) drives an engine from asyncio; ``loading`` reads a model folder.
 """
 
 from .async_engine import AsyncLLMEngine

@@ -11,31 +11,26 @@ A row's draw is a pure function of ``(row.seed, len(row.output_ids))``: one unif
 counter-based hash of the two, turned into a token by inverse CDF over the filtered distribution,
 so a step that is rolled back or recomputed draws the same tokens, and no generator state is kept.
 
-Log-probabilities are of the raw model distribution (log_softmax of the unprocessed logits, vLLM's
-default): penalties, temperature and filters change the choice, not the reported numbers.
+Log-probabilities are of the raw model distribution, not of the processed one (``logprobs``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .logprobs import InvalidLogitsError, prompt_logprobs, top_logprobs
 from .sampling_params import SamplingParams
 
 __all__ = ["InvalidLogitsError", "SampledToken", "Sampler", "SamplingRow", "draw_uniform", "prompt_logprobs"]
 
 _MASK64 = (1 << 64) - 1
-_PROMPT_LOGPROBS_ROWS = 256  # rows of a prompt chunk turned into log-probabilities at a time (memory)
 _DRAW_BLOCK = 1024  # tokens per block of the two-level inverse CDF
 _EXP_FLOOR = -87.0
 _NUCLEUS_CANDIDATES = 1024  # top_p looks for the nucleus among this many most likely tokens first
-
-
-class InvalidLogitsError(RuntimeError):
-    """The model's logits hold NaN or +inf, or leave no token to choose (every one -inf)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +111,7 @@ class Sampler:
         entries = {}
         if wanted:
             chosen_ids = token_ids.index_select(0, self._index(wanted))
-            top = _top_logprobs(raw_logprobs, chosen_ids, [rows[i].params.logprobs for i in wanted])
+            top = top_logprobs(raw_logprobs, chosen_ids, [rows[i].params.logprobs for i in wanted])
             entries = dict(zip(wanted, top))
         return [SampledToken(token, entries.get(i)) for i, token in enumerate(token_list)]
 
@@ -312,39 +307,3 @@ def _invert(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torc
 def _needs_processing(row) -> bool:
     params = row.params
     return not params.greedy or params.has_penalties or len(row.output_ids) < params.min_tokens
-
-
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: Union[Sequence[int], torch.Tensor],
-                    num_logprobs: Union[int, Sequence[int]]) -> list[dict[int, float]]:
-    """Raw model log-probabilities (log_softmax of ``logits``, float32) of each row's next token.
-
-    Row ``i`` gives ``{next_token_ids[i]: its log-prob, and the num_logprobs[i] (or num_logprobs)
-    most likely tokens: theirs}``. For a prompt chunk, row ``i`` holds the logits after prompt token
-    ``i`` and ``next_token_ids[i]`` is prompt token ``i + 1``. Raises :class:`InvalidLogitsError`
-    on NaN or +inf logits, or a row that is all -inf."""
-    ids = torch.as_tensor(next_token_ids, dtype=torch.int64, device=logits.device).reshape(-1)
-    if ids.shape[0] != logits.shape[0]:
-        raise ValueError(f"prompt_logprobs: {ids.shape[0]} next token ids for {logits.shape[0]} rows of logits")
-    counts = [num_logprobs] * ids.shape[0] if isinstance(num_logprobs, int) else list(num_logprobs)
-    entries: list[dict[int, float]] = []
-    for start in range(0, ids.shape[0], _PROMPT_LOGPROBS_ROWS):  # bounded memory for long chunks
-        stop = start + _PROMPT_LOGPROBS_ROWS
-        part = logits[start:stop]
-        if not bool(torch.isfinite(part.amax(-1)).all()):
-            raise InvalidLogitsError("prompt_logprobs: logits hold NaN or +inf, or a row that is all -inf")
-        entries += _top_logprobs(part.float().log_softmax(-1), ids[start:stop], counts[start:stop])
-    return entries
-
-
-def _top_logprobs(logprobs: torch.Tensor, ids: torch.Tensor, counts: list[int]) -> list[dict[int, float]]:
-    """Per row: ``{ids[i]: its log-prob}`` and the ``counts[i]`` largest log-probs."""
-    own = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-    k = min(max(counts, default=0), logprobs.shape[1])  # a vocabulary smaller than the count asked: all of it
-    top = logprobs.topk(k, dim=-1) if k else None
-    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-    entries = []
-    for i, (token, n) in enumerate(zip(ids.tolist(), counts)):
-        entry = dict(zip(top_ids[i][:n], top_values[i][:n])) if n else {}
-        entry[token] = own[i]
-        entries.append(entry)
-    return entries
