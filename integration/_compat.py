@@ -148,3 +148,9 @@ def is_pretrained_model(obj) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(obj, PreTrainedModel)
+
+
+def attention_implementation(model) -> str | None:
+    """The attention implementation ``model`` runs: transformers keeps it on the config as
+    ``_attn_implementation`` and offers no public reader."""
+    return getattr(model.config, "_attn_implementation", None)

@@ -373,7 +373,7 @@ def _pre_forward(module, args, kwargs):
     cache = _compat.find_cache(args, kwargs)
     if not isinstance(cache, PagedKVCache):
         return None
-    impl = getattr(module.config, "_attn_implementation", None)
+    impl = _compat.attention_implementation(module)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"PagedKVCache needs attn_implementation={ATTN_IMPLEMENTATION!r} but the model uses {impl!r}: "

@@ -116,7 +116,7 @@ class LLMEngine:
         self.sampler = Sampler(config.vocab_size, self.device)
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        if _compat.attention_implementation(model) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
         self._door = FrontDoor(seed)
