@@ -5,8 +5,8 @@ cache hands the forward's new columns here: the first forward creates the rows' 
 (identical prompts share all their blocks), later ones append to them, and the step is planned by
 the engine's planner (``planner.plan_step``), one chunk per row. A decode step's tensors are
 copied into persistent buffers of fixed shape, so a compiled decode step sees the same tensors
-every step and is not recompiled. Batch reorders (beam search) re-point rows to forked or
-released sequences instead of copying any K/V.
+every step and is not recompiled. A batch reorder (beam search) forks the sequences of rows
+that continue more than once and releases those no row continues, instead of copying any K/V.
 """
 
 from __future__ import annotations
