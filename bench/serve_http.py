@@ -1,7 +1,9 @@
 """Load generator for OpenAI-compatible servers, in the manner of ``vllm bench serve``: the same
 text requests, streamed through the ``openai`` client, against minipaged's server, ``transformers
-serve`` (continuous batching) on the same model folder, and minipaged's engine in this process
-(no HTTP: what the HTTP layer costs), one after the other in one run, each warmed up first.
+serve`` on the same model folder — as it starts by default (one ``generate()`` at a time) and with
+``--continuous-batching`` — and minipaged's engine in this process (no HTTP: what the HTTP layer
+costs), one after the other in one run, each warmed up first. Same dtype (the folder's) and the
+same torch thread count everywhere.
 
 Default: bench/serve.py's model — a random Qwen3 shaped like Qwen3-0.6B (hidden 1024, 16/8 heads,
 head_dim 128, vocabulary 151936) with 4 layers, float32 — written to a folder with the tiny
@@ -17,8 +19,9 @@ ignored.
 
 Per system: output tokens/s, TTFT, inter-token latency (ITL: gaps between a stream's chunks),
 TPOT ((end-to-end - TTFT) / (output tokens - 1)) and end-to-end latency P50/P95/P99, and goodput
-(requests/s meeting --ttft-limit and --tpot-limit). ``transformers serve`` needs ``accelerate``
-(it loads with a device map); ``--systems`` leaves it out if it cannot start.
+(requests/s meeting --ttft-limit and --tpot-limit); the CPU seconds the server's processes and
+this client used during the run. ``transformers serve`` needs ``accelerate`` (it loads with a
+device map); without it the run skips both transformers systems and says why.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from serve import percentiles  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 QWEN3_06B = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, layers=4, pad_vocab_to=151936)
 TINY = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=32, layers=2)
-SYSTEMS = ("minipaged", "transformers", "engine")
+SYSTEMS = ("minipaged", "transformers", "transformers-cb", "engine")
 
 
 def parse_args(argv=None):
@@ -63,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--num-blocks", type=int, default=None, help="default: every request fits at once")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--dtype", default=None, help="default: the folder's config.json dtype; passed to every system")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of every system (OMP_NUM_THREADS of the servers; default: torch's default here)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the systems this many times, in alternating order (a b c, c b a, ...); the table has "
                         "each system's median run by tokens/s, the ratios are of medians")
@@ -125,8 +131,9 @@ class Timeline:
 
 
 # EOS ignored: vLLM's (and minipaged's) ignore_eos; transformers serve refuses unknown fields but takes a
-# generation_config
-IGNORE_EOS = {"transformers": {"generation_config": json.dumps({"eos_token_id": -1})}}
+# generation_config (its usage counts then show every request generated its max_tokens: checked in main)
+TRANSFORMERS_IGNORE_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
+IGNORE_EOS = {"transformers": TRANSFORMERS_IGNORE_EOS, "transformers-cb": TRANSFORMERS_IGNORE_EOS}
 DEFAULT_IGNORE_EOS = {"ignore_eos": True}
 
 
@@ -160,7 +167,7 @@ def run_engine(folder, requests, args) -> tuple[list[Timeline], float]:
     process: a chunk is a step that gave the request tokens."""
     from minipaged_ops.integration import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(folder, **engine_args(args, requests))
+    engine = LLMEngine.from_pretrained(folder, dtype=args.dtype, **engine_args(args, requests))
     ids = [engine.tokenizer.encode(r.prompt) for r in requests]
     pending, timelines, start = 0, {}, time.perf_counter()
     while pending < len(requests) or engine.has_unfinished_requests():
@@ -204,24 +211,67 @@ def server_command(system: str, folder: str, port: int, args, requests) -> list[
     e = engine_args(args, requests)
     if system == "minipaged":
         return [sys.executable, "-m", "minipaged_ops.serve", "--model", folder, "--port", str(port),
-                "--served-model-name", "bench", "--log-level", "warning", "--num-blocks", str(e["num_blocks"]),
-                "--block-size", str(e["block_size"]), "--max-num-seqs", str(e["max_num_seqs"]),
-                "--max-num-batched-tokens", str(e["max_num_batched_tokens"])]
-    # transformers' CB with the same KV capacity and token budget (it has no max-num-seqs option)
-    return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
-            "serve", folder, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-            "--log-level", "warning", "--cb-block-size", str(e["block_size"]), "--cb-num-blocks", str(e["num_blocks"]),
-            "--cb-max-batch-tokens", str(e["max_num_batched_tokens"])]
+                "--served-model-name", "bench", "--log-level", "warning", "--dtype", args.dtype,
+                "--num-blocks", str(e["num_blocks"]), "--block-size", str(e["block_size"]),
+                "--max-num-seqs", str(e["max_num_seqs"]), "--max-num-batched-tokens", str(e["max_num_batched_tokens"])]
+    command = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
+               "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", args.dtype,
+               "--log-level", "warning"]
+    if system == "transformers-cb":  # the same KV capacity and token budget (it has no max-num-seqs option)
+        command += ["--continuous-batching", "--cb-block-size", str(e["block_size"]), "--cb-num-blocks",
+                    str(e["num_blocks"]), "--cb-max-batch-tokens", str(e["max_num_batched_tokens"])]
+    return command
+
+
+def cannot_run(system: str) -> str | None:
+    """Why ``system`` cannot run here (None when it can), said before trying."""
+    import importlib.util
+
+    if system.startswith("transformers") and importlib.util.find_spec("accelerate") is None:
+        return ("transformers serve loads the model with device_map='cpu' (ModelLoader._load_model), which needs "
+                "the accelerate package: pip install accelerate (it is in minipaged's [hf] extra)")
+    return None
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants (transformers serve
+    runs its model in a child process), from /proc; 0 where /proc cannot tell."""
+    try:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    pass
+        tree, frontier = {pid}, [pid]
+        while frontier:
+            children = [p for p, parent in parents.items() if parent == frontier[-1]]
+            frontier.pop()
+            tree.update(children)
+            frontier += children
+        total = 0
+        for p in tree:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+            except OSError:
+                pass
+        return total / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
 
 
 class Server:
     """A server subprocess on a free port of 127.0.0.1, stopped on exit."""
 
-    def __init__(self, command_for_port, log_path: str, start_timeout: float = 300):
+    def __init__(self, command_for_port, log_path: str, threads: int, start_timeout: float = 300):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = open(log_path, "w")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads))
         self.process = subprocess.Popen(command_for_port(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + start_timeout
         while True:
@@ -253,7 +303,7 @@ class Server:
 # ---------------------------------------------------------------------------------- report
 
 
-def summary(name: str, timelines: list[Timeline], start: float, args) -> dict:
+def summary(name: str, timelines: list[Timeline], start: float, cpu: dict, args) -> dict:
     wall = max(tl.finish for tl in timelines) - start
     tokens = sum(tl.output_tokens for tl in timelines)
     ttft = [tl.chunks[0] - tl.sent for tl in timelines]
@@ -267,6 +317,7 @@ def summary(name: str, timelines: list[Timeline], start: float, args) -> dict:
         p50, p95, p99 = percentiles(values)
         row[f"{key} p50/p95/p99"] = f"{p50 * scale:.2f}/{p95 * scale:.2f}/{p99 * scale:.2f}"
     row["goodput req/s"] = f"{good / wall:.2f}"
+    row["CPU s server/client"] = f"{cpu['server']:.1f}/{cpu['client']:.1f}"
     row["_tok_s"], row["_ttft_p99"] = tokens / wall, percentiles(ttft)[2]
     return row
 
@@ -276,7 +327,7 @@ def write_csv(path, results, requests) -> None:
         w = csv.writer(f)
         w.writerow(["system", "request", "prompt_tokens", "max_tokens", "output_tokens", "arrival_s", "ttft_s",
                     "tpot_s", "e2e_s", "chunks"])
-        for name, (timelines, start) in results.items():
+        for name, (timelines, start, _) in results.items():
             for i, (r, tl) in enumerate(zip(requests, timelines)):
                 tpot = (tl.finish - tl.chunks[0]) / (tl.output_tokens - 1) if tl.output_tokens > 1 else ""
                 w.writerow([name, i, r.prompt_tokens, r.max_tokens, tl.output_tokens, f"{tl.sent - start:.4f}",
@@ -291,7 +342,7 @@ def write_plot(path, results, rows, title) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name, (timelines, _) in results.items():
+    for name, (timelines, *_) in results.items():
         for ax, values in zip(axes[:2], ([tl.chunks[0] - tl.sent for tl in timelines],
                                          [tl.finish - tl.sent for tl in timelines])):
             v = sorted(values)
@@ -313,19 +364,25 @@ def write_plot(path, results, rows, title) -> None:
 
 def run_system(name, url, folder, warm, requests, args):
     """One measured run of a system (warmed up on other requests first); a server it starts is
-    stopped after the run."""
+    stopped after the run. Returns (timelines, start, CPU seconds: {"server": ..., "client": ...})."""
     if name == "engine":
         run_engine(folder, warm, args)
-        return run_engine(folder, requests, args)
+        cpu = time.process_time()
+        timelines, start = run_engine(folder, requests, args)
+        return timelines, start, {"server": time.process_time() - cpu, "client": 0.0}
     server = None
     if url is None:
         server = Server(lambda port: server_command(name, folder, port, args, requests),
-                        os.path.join(args.out, f"serve_http_{name}.log"))
+                        os.path.join(args.out, f"serve_http_{name}.log"), args.threads)
         url = server.url
     try:
         extra_body = IGNORE_EOS.get(name, DEFAULT_IGNORE_EOS)
         asyncio.run(run_http(url, warm, extra_body))
-        return asyncio.run(run_http(url, requests, extra_body))
+        server_cpu, client_cpu = (process_tree_cpu_s(server.process.pid) if server else 0.0), time.process_time()
+        timelines, start = asyncio.run(run_http(url, requests, extra_body))
+        cpu = {"server": (process_tree_cpu_s(server.process.pid) - server_cpu) if server else float("nan"),
+               "client": time.process_time() - client_cpu}
+        return timelines, start, cpu
     finally:
         if server is not None:
             server.stop()
@@ -346,12 +403,21 @@ def main(argv=None) -> int:
         if not os.path.isfile(os.path.join(folder, "config.json")):
             save_tiny_model(folder, "qwen3", max_positions=4096, init_range=None, tie_embeddings=True, **args.shape)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if args.dtype is None:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        args.dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    import torch
+
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(args.threads)
     requests = make_workload(args, tokenizer, args.seed, args.requests)
     warm = make_workload(args, tokenizer, args.seed + 1000, 4)
     warm = [Request(r.prompt, r.prompt_tokens, min(r.max_tokens, 4), 0.0) for r in warm]
     title = (f"{len(requests)} requests ({args.arrival}{f' {args.rate}/s' if args.arrival == 'poisson' else ''}), "
              f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-"
-             f"{args.output_len[1]}, greedy, streamed; {os.path.basename(folder)}; {machine_name()}")
+             f"{args.output_len[1]}, greedy, streamed; {os.path.basename(folder)}, {args.dtype}; "
+             f"{machine_name()}, torch threads {args.threads}")
     print(title)
 
     runs, skipped = {}, []  # system -> [(timelines, start)] over the repeats
@@ -359,6 +425,9 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         for name, url in (targets if repeat % 2 == 0 else targets[::-1]):
             if any(line.startswith(f"{name}:") for line in skipped):
+                continue
+            if url is None and (reason := cannot_run(name)):
+                skipped.append(f"{name}: {reason}")
                 continue
             print(f"  running {name} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr)
             try:
@@ -371,21 +440,28 @@ def main(argv=None) -> int:
                          (max(tl.finish for tl in run[0]) - run[1]))
         results[name] = by_rate[(len(by_rate) - 1) // 2]  # the lower median
 
-    rows = [summary(name, tl, start, args) for name, (tl, start) in results.items()]
+    rows = [summary(name, tl, start, cpu, args) for name, (tl, start, cpu) in results.items()]
     columns = ["system", "wall s", "out tok/s", "tokens", "TTFT s p50/p95/p99", "ITL ms p50/p95/p99",
-               "TPOT ms p50/p95/p99", "E2E s p50/p95/p99", "goodput req/s"]
+               "TPOT ms p50/p95/p99", "E2E s p50/p95/p99", "goodput req/s", "CPU s server/client"]
     print()
     print_table(rows, columns)
     by = {r["system"]: r for r in rows}
     if "minipaged" in by and "engine" in by:
         print(f"minipaged server / in-process engine: {by['minipaged']['_tok_s'] / by['engine']['_tok_s']:.0%} "
               f"of the output tokens/s")
-    if "minipaged" in by and "transformers" in by:
-        print(f"minipaged server / transformers serve: {by['minipaged']['_tok_s'] / by['transformers']['_tok_s']:.2f}x "
-              f"output tokens/s; TTFT P99 {by['minipaged']['_ttft_p99']:.2f} s vs {by['transformers']['_ttft_p99']:.2f} s")
+    for other, how in (("transformers", "transformers serve"), ("transformers-cb", "transformers serve --continuous-batching")):
+        if "minipaged" in by and other in by:
+            print(f"minipaged server / {how}: {by['minipaged']['_tok_s'] / by[other]['_tok_s']:.2f}x output tokens/s; "
+                  f"TTFT P99 {by['minipaged']['_ttft_p99']:.2f} s vs {by[other]['_ttft_p99']:.2f} s")
+    expected = [r.max_tokens for r in requests]
+    for name, (timelines, *_) in results.items():  # EOS ignored and max_tokens honoured: every request its max_tokens
+        short = sum(tl.output_tokens != want for tl, want in zip(timelines, expected))
+        if short:
+            print(f"WARNING {name}: {short} of {len(requests)} requests did not generate exactly their max_tokens "
+                  f"({sum(tl.output_tokens for tl in timelines)} tokens against {sum(expected)})")
     if args.repeats > 1:
         for name, tries in runs.items():
-            rates = [sum(tl.output_tokens for tl in t) / (max(tl.finish for tl in t) - start) for t, start in tries]
+            rates = [sum(tl.output_tokens for tl in t) / (max(tl.finish for tl in t) - start) for t, start, _ in tries]
             print(f"{name}: out tok/s of each run {', '.join(f'{r:.1f}' for r in rates)} (the table: the median run)")
     for line in skipped:
         print(f"skipped {line}")
