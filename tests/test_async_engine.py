@@ -131,6 +131,28 @@ def test_abort_ends_the_iterator_with_abort(engine):
     assert run(engine.stats())["blocks_used"] == 0
 
 
+def test_a_closed_event_loop_aborts_its_requests_and_the_others_go_on(engine):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    solo = run(collect(engine, PROMPTS[0], greedy, "solo"))
+
+    async def orphan():
+        stream = await engine.add_request("orphan", PROMPTS[1], SamplingParams(max_tokens=400))
+        await stream.__anext__()  # running; its loop then closes with the stream never closed
+        return stream
+
+    run(orphan())
+
+    async def main():  # steps now deliver to a closed loop and to this one
+        pieces = await collect(engine, PROMPTS[0], greedy, "live")
+        await wait_aborted(engine, "orphan")
+        return pieces
+
+    live = run(main())
+    tokens = lambda pieces: [t for p in pieces for c in p.outputs for t in c.token_ids]  # noqa: E731
+    assert tokens(live) == tokens(solo) and len(tokens(live)) == 24
+    assert live[-1].finished and [c.finish_reason for c in live[-1].outputs] == ["length"]
+
+
 def test_rejected_request_raises_and_queues_nothing(engine):
     async def main():
         first = engine.generate(PROMPTS[0], SamplingParams(max_tokens=200), "dup")

@@ -195,6 +195,9 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_id)
 
     def _deliver(self, outputs) -> None:
+        # one wake-up per event loop and step, not one per request: each call_soon_threadsafe
+        # writes to the loop's self-pipe, and a step of a full batch has a piece for every request
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -202,14 +205,17 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
             piece = stream.delta(out)
-            if piece is None:
-                continue
+            if piece is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, piece, out.finished))
+        for loop, pieces in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, piece)
-            except RuntimeError:  # the consumer's event loop is closed: nobody will read it
-                self._streams.pop(out.request_id, None)
-                if not out.finished:
-                    self.engine.abort_request(out.request_id)
+                loop.call_soon_threadsafe(_put_all, pieces)
+            except RuntimeError:  # the consumers' event loop is closed: nobody will read them
+                for stream, _, finished in pieces:
+                    if self._streams.get(stream.request_id) is stream:
+                        del self._streams[stream.request_id]
+                    if not finished:
+                        self.engine.abort_request(stream.request_id)
 
     def _fail_everyone(self) -> None:
         with self._wake:
@@ -225,6 +231,12 @@ class AsyncLLMEngine:
             except RuntimeError:  # that loop is closed: nobody waits there
                 pass
         self._streams.clear()
+
+
+def _put_all(pieces) -> None:
+    """On a consumer's event loop: each piece into its stream's queue."""
+    for stream, piece, _ in pieces:
+        stream.queue.put_nowait(piece)
 
 
 class _Command:
