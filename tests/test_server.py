@@ -534,7 +534,7 @@ def test_cli_help_and_a_missing_folder(tmp_path):
                                                             "--help"]):
         done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "--max-num-batched-tokens" in done.stdout and "--no-enable-prefix-caching" \
-            in done.stdout, done.stderr
+            in done.stdout and "{auto,int8,fp8_e4m3,fp8_e5m2}" in done.stdout, done.stderr
     assert cli(["nonsense"]) == 2
     done = subprocess.run([sys.executable, "-m", "minipaged_ops.serve", "--model", str(tmp_path / "absent"),
                            "--port", "1"], capture_output=True, text=True, timeout=120)
