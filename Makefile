@@ -40,13 +40,19 @@ setup: $(VENV)/.deps-stamp
 
 build: $(VENV)/.build-stamp
 
+# The two long set-up steps print as they go (pip's download bars, then ninja's [n/N] lines) rather
+# than sitting silent for minutes.
 $(VENV)/.deps-stamp: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(DEPS)
+	@echo "--- installing torch, transformers and the test/serving packages into $(VENV) (minutes on a fresh machine)"
+	$(PY) -m pip --disable-pip-version-check install --progress-bar on $(DEPS)
 	touch $@
 
 $(VENV)/.build-stamp: $(VENV)/.deps-stamp $(SOURCES)
-	$(PIP) install --no-build-isolation --no-deps -e .
+	@echo "--- building minipaged: the CPU kernels once per instruction set, the CUDA kernels where nvcc is found (minutes on 2 cores)"
+	@bash -c 'set -o pipefail; $(PY) -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e . 2>&1 \
+	  | tee $(VENV)/build.log | { grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\] |minipaged:" || true; }' \
+	  || { tail -n 40 $(VENV)/build.log; echo "build failed: the whole log is $(VENV)/build.log"; exit 1; }
 	@$(PY) -c "import minipaged_ops; print('minipaged:', minipaged_ops.build_info())"
 	touch $@
 
