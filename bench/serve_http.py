@@ -420,7 +420,7 @@ def main(argv=None) -> int:
              f"{machine_name()}, torch threads {args.threads}")
     print(title)
 
-    runs, skipped = {}, []  # system -> [(timelines, start)] over the repeats
+    runs, loads, skipped = {}, {}, []  # system -> [(timelines, start, cpu)], [load average at its start] per repeat
     targets = [(f"url {i}", u) for i, u in enumerate(args.url)] + [(s, None) for s in args.systems]
     for repeat in range(args.repeats):
         for name, url in (targets if repeat % 2 == 0 else targets[::-1]):
@@ -431,7 +431,9 @@ def main(argv=None) -> int:
                 continue
             print(f"  running {name} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr)
             try:
+                load = os.getloadavg()[0]
                 runs.setdefault(name, []).append(run_system(name, url, folder, warm, requests, args))
+                loads.setdefault(name, []).append(load)
             except RuntimeError as e:
                 skipped.append(f"{name}: {e}")
     results = {}
@@ -460,9 +462,17 @@ def main(argv=None) -> int:
             print(f"WARNING {name}: {short} of {len(requests)} requests did not generate exactly their max_tokens "
                   f"({sum(tl.output_tokens for tl in timelines)} tokens against {sum(expected)})")
     if args.repeats > 1:
-        for name, tries in runs.items():
-            rates = [sum(tl.output_tokens for tl in t) / (max(tl.finish for tl in t) - start) for t, start, _ in tries]
-            print(f"{name}: out tok/s of each run {', '.join(f'{r:.1f}' for r in rates)} (the table: the median run)")
+        rates = {name: [sum(tl.output_tokens for tl in t) / (max(tl.finish for tl in t) - start) for t, start, _ in tries]
+                 for name, tries in runs.items()}
+        for name, values in rates.items():
+            print(f"{name}: out tok/s of each run {', '.join(f'{r:.1f}' for r in values)} (load average at its start "
+                  f"{', '.join(f'{x:.1f}' for x in loads[name])}; the table: the median run)")
+        # paired within a round (the systems ran back to back), steadier than a ratio of medians when the load moves
+        for other in ("engine", "transformers", "transformers-cb"):
+            if "minipaged" in rates and other in rates and len(rates[other]) == len(rates["minipaged"]):
+                ratios = [a / b for a, b in zip(rates["minipaged"], rates[other])]
+                print(f"minipaged / {other} per round: {', '.join(f'{r:.2f}' for r in ratios)} "
+                      f"(median {sorted(ratios)[(len(ratios) - 1) // 2]:.2f})")
     for line in skipped:
         print(f"skipped {line}")
     csv_path, png_path = os.path.join(args.out, "serve_http.csv"), os.path.join(args.out, "serve_http.png")
