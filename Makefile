@@ -51,7 +51,7 @@ $(VENV)/.deps-stamp: Makefile
 $(VENV)/.build-stamp: $(VENV)/.deps-stamp $(SOURCES)
 	@echo "--- building minipaged: the CPU kernels once per instruction set, the CUDA kernels where nvcc is found (minutes on 2 cores)"
 	@bash -c 'set -o pipefail; $(PY) -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e . 2>&1 \
-	  | tee $(VENV)/build.log | { grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\] |minipaged:" || true; }' \
+	  | tee $(VENV)/build.log | { grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\] |^ *-- minipaged:" || true; }' \
 	  || { tail -n 40 $(VENV)/build.log; echo "build failed: the whole log is $(VENV)/build.log"; exit 1; }
 	@$(PY) -c "import minipaged_ops; print('minipaged:', minipaged_ops.build_info())"
 	touch $@
