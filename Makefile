@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip --disable-pip-version-check -q
+PIP_LOUD := $(PY) -m pip --disable-pip-version-check
+PIP    := $(PIP_LOUD) -q
 # pip resolves torch to the CUDA build, which also runs on CPU-only machines.
 DEPS   := "torch>=2.11" "transformers>=5.17,<6" "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy \
           pytest hypothesis expecttest tqdm matplotlib accelerate fastapi uvicorn prometheus-client openai
@@ -45,12 +46,12 @@ build: $(VENV)/.build-stamp
 $(VENV)/.deps-stamp: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "--- installing torch, transformers and the test/serving packages into $(VENV) (minutes on a fresh machine)"
-	$(PY) -m pip --disable-pip-version-check install --progress-bar on $(DEPS)
+	$(PIP_LOUD) install --progress-bar on $(DEPS)
 	touch $@
 
 $(VENV)/.build-stamp: $(VENV)/.deps-stamp $(SOURCES)
 	@echo "--- building minipaged: the CPU kernels once per instruction set, the CUDA kernels where nvcc is found (minutes on 2 cores)"
-	@bash -c 'set -o pipefail; $(PY) -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e . 2>&1 \
+	@bash -c 'set -o pipefail; $(PIP_LOUD) install -v --no-build-isolation --no-deps -e . 2>&1 \
 	  | tee $(VENV)/build.log | { grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\] |^ *-- minipaged:" || true; }' \
 	  || { tail -n 40 $(VENV)/build.log; echo "build failed: the whole log is $(VENV)/build.log"; exit 1; }
 	@$(PY) -c "import minipaged_ops; print('minipaged:', minipaged_ops.build_info())"

@@ -12,8 +12,8 @@ every entry names one of 4 blocks (its arithmetic with no memory traffic), and t
 says how much of that arithmetic the kernel hides under its reads; the `arithmetic:` line sets its
 in-cache multiply-adds per second against this machine's peak (float32 multiply-adds on every
 thread; bfloat16 pair dot products too for --dtype bfloat16): how much a faster inner loop could
-gain at most. Last, the kernel runs on the same blocks laid out back to back (each sequence's K runs one after another, as contiguous K/V lie) and
-in order with a block-sized gap after each: the `layout:` line says what the shuffling costs, and
+gain at most. Last, the kernel runs on the same blocks laid out back to back (each sequence's K runs
+one after another, as contiguous K/V lie) and in order with a block-sized gap after each: the `layout:` line says what the shuffling costs, and
 whether it is the order of the runs or that they are apart.
 
     python bench/read_roof.py
