@@ -268,6 +268,19 @@ def test_cpu_other_head_dims(fmt, head_dim):
     check_prefill(case, head_dim**-0.5, torch.float32)
 
 
+@pytest.mark.parametrize("shape", [((16, 2), 256, 16), ((10, 2), 128, 32), ((12, 4), 192, 16), ((4, 2), 32, 8)],
+                         ids=["group8-256", "group5-128-b32", "group3-192", "group2-32-b8"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_cpu_decode_head_tiles(fmt, shape):
+    # The CPU decode's tiles past the grid: groups of 5 and 8 (split into tiles of 4 + 1 and 4 + 4
+    # heads), head_dim 256 and 32, 192 (int8's per-token path of vpdpwssd), odd lengths. float16
+    # query: int8 caches then take the 16-bit integer dot products, checked at float16's tolerance.
+    heads, head_dim, block_size = shape
+    case = make_case(fmt, [3 * block_size + 5, 1, 2 * block_size, 101], *heads, head_dim, block_size, torch.float16,
+                     "cpu", seed=seed_of("tiles", fmt, heads, head_dim))
+    check_decode(case, head_dim**-0.5, torch.float16)
+
+
 def prefill_case(fmt, pairs, heads, head_dim, block_size, query_dtype, device, seed):
     case = make_case(fmt, [n for n, _ in pairs], *heads, head_dim, block_size, query_dtype, device, seed=seed,
                      query_rows=sum(q for _, q in pairs))

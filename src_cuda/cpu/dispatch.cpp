@@ -22,7 +22,9 @@ bool cpu_has(const char* isa) {
                       __builtin_cpu_supports("avx512vl");
   if (name == "avx2") return avx2;
   if (name == "avx512") return avx512;
-  if (name == "avx512_bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+  // Every CPU with AVX512-BF16 so far has AVX512-VNNI too (int8 caches use its 16-bit dot products).
+  if (name == "avx512_bf16")
+    return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
 #endif
   return false;
 }

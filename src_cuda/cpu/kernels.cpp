@@ -75,7 +75,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                       const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
                       const T* key_cache, const T* value_cache, const CacheLayout& layout,
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
-                      std::vector<float>& scratch, const KVScales& kv_scales) {
+                      std::vector<float>& scratch, const KVScales& kv_scales, bool query_16bit) {
   const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(begin < end && begin % B == 0);
 #if defined(__AVX512BF16__)
@@ -83,12 +83,25 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool bf16_dot = false;
 #endif
+#if defined(__AVX512VNNI__)
+  // Only for a 16-bit query: its int16 rounding (quantize_query) then loses less than the query's
+  // own float16 / bfloat16 rounding did; a float32 query keeps float32 multiply-adds.
+  const bool int8_dot = std::is_same_v<T, int8_t> && query_16bit && D % 32 == 0 && D <= 512 && B <= 256;
+#else
+  const bool int8_dot = false;
+#endif
   const int64_t chunk_blocks =
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
-  scratch.assign(num_heads * C + num_heads * kW, 0.f);
+  // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales.
+  scratch.assign(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0), 0.f);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
+  float* q_scale = scores + num_heads * C + num_heads * kW;  // [num_heads]
+  auto* q16 = reinterpret_cast<int16_t*>(q_scale + num_heads);  // [num_heads, head_dim]
+#if defined(__AVX512VNNI__)
+  if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
+#endif
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.acc, out.acc + num_heads * D, 0.f);
 
@@ -160,9 +173,15 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
           if constexpr (std::is_same_v<T, c10::BFloat16>)
             if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores + g0 * C + t0, C, pf);
 #endif
+#if defined(__AVX512VNNI__)
+          if constexpr (std::is_same_v<T, int8_t>)
+            if (int8_dot)
+              return tile.scores_int8(q16 + g0 * D, q_scale + g0, k, k_scales + kv_head * B, n, D, scores + g0 * C + t0,
+                                      C, pf);
+#endif
           tile.scores(q + g0 * D, k, n, D, scores + g0 * C + t0, C, pf);
+          if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, k_scales + kv_head * B, n);
         });
-        if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, k_scales + kv_head * B, n);
       });
     });
     for (int64_t h = 0; h < num_heads; ++h)
@@ -171,9 +190,14 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                                     [[maybe_unused]] const float* v_scales) {
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
         const T* v = v_rows + kv_head * B * D;
-        if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, v_scales + kv_head * B, n);
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
         with_tile(gt, [&](auto tile) {
+#if defined(__AVX512VNNI__)
+          if constexpr (std::is_same_v<T, int8_t>)
+            if (int8_dot)
+              return tile.accumulate_int8(scores + g0 * C + t0, C, v, v_scales + kv_head * B, n, D, out.acc + g0 * D, pf);
+#endif
+          if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, v_scales + kv_head * B, n);
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
             if (bf16_dot) return tile.accumulate_bf16(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
@@ -187,7 +211,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   if constexpr (kQuantized<T>)
     if (kv_scales.value_layer != 1.f)
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
-  if (bf16_dot)
+  if (bf16_dot || int8_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 }
 
@@ -240,7 +264,7 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
         if constexpr (std::is_same_v<T, scalar_t>) q_cache = q_seq;
         decode_work_item<T>(q, q_cache, static_cast<float>(scale), static_cast<const T*>(key_cache.const_data_ptr()),
                             static_cast<const T*>(value_cache.const_data_ptr()), layout, block_table, begin, end,
-                            group, partial, scratch, kv_scales);
+                            group, partial, scratch, kv_scales, !std::is_same_v<scalar_t, float>);
       };
       switch (format) {
         case KVFormat::kInt8: return run(static_cast<const int8_t*>(nullptr));
