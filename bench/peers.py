@@ -6,13 +6,26 @@ in one process, timed in alternation with cold caches (bench/common.py), medians
   token pool, every query one row, a block mask built from the block tables (block size = page);
 - SDPA on contiguous K/V, GQA by `enable_gqa` and with the kv heads repeated beforehand;
 - Intel Extension for PyTorch's paged decode (`single_query_cached_kv_attention`), when it imports
-  (it needs torch 2.8 exactly: see the README's recipe for a side venv);
+  (it needs torch 2.8 exactly: a side venv, below);
 - the read roof: a `sum` over as many bytes as K+V.
 
 Every output is checked against a float64 reference before timing. GB/s counts K+V bytes once.
 
     python bench/peers.py
     python bench/peers.py --dtype bfloat16 --batch 1 --seq-len 32768 --out bench/out
+
+IPEX's side venv, from the repository root (minipaged builds against torch 2.8 with --no-deps;
+build-dir keeps this build apart from the main venv's; PyPI's torch 2.8.0 is a CUDA build that
+brings ~3 GB of nvidia wheels, and this build of minipaged is CPU-only unless nvcc has its CUDA major):
+
+    python3 -m venv .venv-ipex
+    .venv-ipex/bin/pip install torch==2.8.0
+    .venv-ipex/bin/pip install "intel-extension-for-pytorch==2.8.*" numpy tqdm matplotlib scikit-build-core "cmake>=3.26" ninja
+    .venv-ipex/bin/pip install --no-build-isolation --no-deps -C build-dir=build/ipex -e .
+    .venv-ipex/bin/python bench/peers.py
+
+In that venv the FlexAttention row is left out (torch 2.8's inductor emits C++ that g++ 12 rejects)
+and SDPA is torch 2.8's.
 """
 
 from __future__ import annotations
