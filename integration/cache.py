@@ -105,6 +105,7 @@ class PagedKVCache(_compat.Cache):
         calculate_kv_scales: bool = False,
     ):
         quantized.cache_dtype(kv_cache_dtype, torch.float32)  # ValueError naming an unknown one, now
+        quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
         self._kv_cache_dtype, self._calculate_kv_scales = kv_cache_dtype, calculate_kv_scales
         model = _compat.unwrap_model(config) if isinstance(config, torch.nn.Module) else None
         if model is not None:

@@ -36,6 +36,16 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+def check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype) -> None:
+    """``calculate_kv_scales`` sets the fp8 formats' per-layer scales (int8's are per token, float
+    pools have none): a ValueError for it with any other ``kv_cache_dtype``, or for a non-bool."""
+    if not isinstance(calculate_kv_scales, bool):
+        raise ValueError(f"calculate_kv_scales: expected a bool, got {calculate_kv_scales!r}")
+    if calculate_kv_scales and kv_cache_dtype not in ("fp8_e4m3", "fp8_e5m2"):
+        raise ValueError("calculate_kv_scales=True sets the fp8 formats' per-layer scales: it needs kv_cache_dtype "
+                         f"'fp8_e4m3' or 'fp8_e5m2', got {kv_cache_dtype!r}")
+
+
 def cache_dtype_name(dtype: torch.dtype) -> str:
     """What a pool of ``dtype`` is called: its ``kv_cache_dtype`` name ("int8", "fp8_e4m3",
     "fp8_e5m2"), or a float pool's torch name ("float32", "bfloat16", "float16")."""

@@ -54,6 +54,19 @@ def test_unknown_kv_cache_dtype_is_a_value_error():
         LLMEngine(model, num_blocks=8, kv_cache_dtype=torch.int8)
 
 
+def test_calculate_kv_scales_needs_an_fp8_format():
+    model = tiny_model(vocab=VOCAB)
+    for kv_cache_dtype in ("auto", "int8"):
+        with pytest.raises(ValueError, match=rf"calculate_kv_scales=True .* needs kv_cache_dtype 'fp8_e4m3' or "
+                                             rf"'fp8_e5m2', got '{kv_cache_dtype}'"):
+            LLMEngine(model, num_blocks=8, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+        with pytest.raises(ValueError, match=r"calculate_kv_scales=True .* got"):
+            PagedKVCache(model.config, num_blocks=8, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+    with pytest.raises(ValueError, match=r"calculate_kv_scales: expected a bool, got 'yes'"):
+        LLMEngine(model, num_blocks=8, kv_cache_dtype="fp8_e4m3", calculate_kv_scales="yes")
+    LLMEngine(model, num_blocks=8, kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True)  # accepted
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kv_bytes_per_block_with_scales(dtype):
     # head_dim 128: int8 carries a float32 scale per token and kv head (4 bytes beside 128).

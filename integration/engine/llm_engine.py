@@ -99,6 +99,7 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device, self.dtype = param.device, param.dtype
         self.kv_cache_dtype = quantized.cache_dtype(kv_cache_dtype, self.dtype)  # ValueError naming it
+        quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
         if num_blocks is None:
             most = max_num_seqs * -(-self.max_position_embeddings // block_size)
