@@ -31,17 +31,34 @@ def _time_once(fn, device: str, flush: torch.Tensor | None) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_flush_bytes() -> int:
+    """How much a CPU cold-cache flush reads: twice the largest cache the OS reports, at least 128 MiB
+    and at most 2 GiB. A fixed 128 MiB is not enough everywhere: an Intel Xeon VM with a 480 MiB L3
+    kept part of a 64 MiB decode's K/V between timed runs (bfloat16 decode 3.59 ms after a 128 MiB
+    read, 4.53 ms after 1 GiB). A VM may report its host's cache, which only makes the flush longer."""
+    largest = 0
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return min(max(2 * largest, 128 << 20), 2 << 30)
+
+
 def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu", cold: bool = True) -> dict:
     """Median time of each function, timed in alternation (a, b, c, a, b, c, ...) so that a
     busy moment on a shared machine lands on all of them alike. With `cold` (the default) every
     timed run starts from the same state, caches full of other data: on a GPU a 512 MiB write
-    (more than any L2), on a CPU a 128 MiB read (several times any last-level cache), untimed.
+    (more than any L2), on a CPU a read of twice the largest cache (cpu_flush_bytes), untimed.
     CUDA runs use events."""
     flush = None
     if device == "cuda":
         flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     elif cold:
-        flush = torch.ones(32 * 2**20, dtype=torch.float32)
+        flush = torch.ones(cpu_flush_bytes() // 4, dtype=torch.float32)
     for _ in range(warmup):
         for fn in fns.values():
             fn()

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, add_cpu_decode_args, cpu_decode_problem, machine_name, print_table  # noqa: E402
+from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, cpu_flush_bytes, machine_name,  # noqa: E402
+                    print_table)
 
 def huge_pages_kb() -> int:
     with open("/proc/self/smaps") as f:
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     roof_bytes = max(p.kv_bytes for p in problems.values())
     plain = torch.ones(roof_bytes // 4)
     fns["sum", "4 KiB"], fns["sum", "2 MiB"] = plain.sum, in_huge_pages(plain).sum
-    flush = torch.ones(32 * 2**20)  # 128 MiB read before each timed run: cold caches
+    flush = torch.ones(cpu_flush_bytes() // 4)  # read before each timed run: cold caches
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}

@@ -176,7 +176,7 @@ def test_peers_checks_every_peer_and_prints_the_table(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("intel_extension_for_pytorch") is None,
-                    reason="IPEX is not installed (torch 2.8 side venv: README, Peers)")
+                    reason="IPEX is not installed (its torch 2.8 side venv: bench/peers.py)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_peers_times_ipex_where_it_imports(dtype):
     # Where IPEX imports, its row must pass the float64 check and be timed: a call that no longer
