@@ -194,6 +194,28 @@ inline f32x16 load16(const fp8_e4m3* p) {
   // clearing bit 14 leaves e4m3_half_bits.
   return half_bits_to_float((widen_bytes<true>(p) << 7) & static_cast<uint16_t>(0xBFFF));
 }
+// 32 cache elements as two f32x16 (lo: the first 16). Two load16 calls, except for fp8 on AVX-512,
+// where the byte widening and the bit shuffling run once on all 32 (one 512-bit instruction each
+// instead of two 256-bit ones): 8 instructions for 32 e4m3 elements instead of 10, 7 for e5m2
+// instead of 8, ahead of the float16 conversions, which stay two.
+template <typename T>
+inline void load32(const T* p, f32x16& lo, f32x16& hi) {
+  lo = load16(p), hi = load16(p + 16);
+}
+#if defined(__AVX512BW__)
+inline void half_bits_to_floats(__m512i bits, f32x16& lo, f32x16& hi) {
+  const __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(bits)), b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+  lo = reinterpret_cast<const f32x16&>(a), hi = reinterpret_cast<const f32x16&>(b);
+}
+inline void load32(const fp8_e5m2* p, f32x16& lo, f32x16& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  half_bits_to_floats(_mm512_slli_epi16(bytes, 8), lo, hi);
+}
+inline void load32(const fp8_e4m3* p, f32x16& lo, f32x16& hi) {
+  const __m512i bytes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  half_bits_to_floats(_mm512_and_si512(_mm512_slli_epi16(bytes, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF))), lo, hi);
+}
+#endif
 // An 8-bit cache's scales as the kernels apply them.
 struct KVScales {
   const float* key = nullptr;  // int8: one per token and kv head, at (cache row offset) / head_dim
@@ -396,10 +418,12 @@ struct HeadTile {
       for (; t + 4 <= n; t += 4) {
         pf.upto(t + 4);
         f32x16 a[4][GT] = {};
-        for (int c = 0; c < DV; ++c)
+        for (int c = 0; c < DV; c += 2)  // DV is even (head_dim 64, 128, 256)
           for (int i = 0; i < 4; ++i) {
-            const f32x16 kv = load16(k + (t + i) * D + c * kW);
-            for (int g = 0; g < GT; ++g) a[i][g] += qv[g][c] * kv;
+            f32x16 kv0, kv1;
+            load32(k + (t + i) * D + c * kW, kv0, kv1);
+            for (int g = 0; g < GT; ++g) a[i][g] += qv[g][c] * kv0;
+            for (int g = 0; g < GT; ++g) a[i][g] += qv[g][c + 1] * kv1;
           }
         for (int g = 0; g < GT; ++g) store_4_tokens(a[0][g], a[1][g], a[2][g], a[3][g], 1.f, scores + g * stride + t);
       }
@@ -718,8 +742,9 @@ struct HeadTile {
     for (int64_t t = 0; t < n; ++t) {
       pf.upto(t + 1);
       f32x16 vv[P];
-#pragma GCC unroll 16
-      for (int c = 0; c < P; ++c) vv[c] = load16(v + t * D + d + c * kW);
+#pragma GCC unroll 8
+      for (int c = 0; c + 1 < P; c += 2) load32(v + t * D + d + c * kW, vv[c], vv[c + 1]);
+      if constexpr (P % 2 == 1) vv[P - 1] = load16(v + t * D + d + (P - 1) * kW);
 #pragma GCC unroll 16
       for (int g = 0; g < GT; ++g) {
         const float pg = p[g * stride + t];
