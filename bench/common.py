@@ -36,6 +36,7 @@ def cpu_flush_bytes() -> int:
     and at most 2 GiB. A fixed 128 MiB is not enough everywhere: an Intel Xeon VM with a 480 MiB L3
     kept part of a 64 MiB decode's K/V between timed runs (bfloat16 decode 3.59 ms after a 128 MiB
     read, 4.53 ms after 1 GiB). A VM may report its host's cache, which only makes the flush longer."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     largest = 0
     for index in range(8):
         try:
@@ -43,7 +44,6 @@ def cpu_flush_bytes() -> int:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return min(max(2 * largest, 128 << 20), 2 << 30)
 

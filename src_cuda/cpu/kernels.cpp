@@ -97,8 +97,8 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   scratch.assign(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0), 0.f);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
-  float* q_scale = scores + num_heads * C + num_heads * kW;  // [num_heads]
-  auto* q16 = reinterpret_cast<int16_t*>(q_scale + num_heads);  // [num_heads, head_dim]
+  float* q_scale = int8_dot ? scores + num_heads * C + num_heads * kW : nullptr;  // [num_heads]
+  auto* q16 = int8_dot ? reinterpret_cast<int16_t*>(q_scale + num_heads) : nullptr;  // [num_heads, head_dim]
 #if defined(__AVX512VNNI__)
   if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
 #endif

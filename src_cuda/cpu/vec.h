@@ -262,6 +262,13 @@ inline void quantize_query(const float* q, int64_t num_heads, int64_t D, int16_t
 }
 #endif
 
+#if defined(__AVX512F__)
+// The mask of the first min(count, 16) lanes: a masked load of a row's tail reads nothing past it.
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << count) - 1);
+}
+#endif
+
 inline void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
@@ -332,6 +339,9 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // each K/V row is loaded once for all GT heads.
 template <int GT>
 struct HeadTile {
+  // Token pairs a block's packed probabilities hold in the pair dot products' P.V (blocks of at most
+  // 256 tokens).
+  static constexpr int64_t kMaxPairs = 128;
   // scores[g * stride + t] = scale * (q[g] . k[t]) for the n rows of k, from the per-lane
   // partial sums acc[g] of one token: reduced four heads at a time.
   static void store_token(const f32x16 (&acc)[GT], float scale, float* scores, int64_t stride, int64_t t) {
@@ -521,13 +531,12 @@ struct HeadTile {
   // product, as FlashAttention does for P.V; the softmax itself stays float32. n <= 256.
   static void accumulate_bf16(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D,
                               float* acc, RowPrefetch& pf) {
-    constexpr int64_t kMaxPairs = 128;
     // (p[t], p[t+1]) as a bfloat16 pair is p rounded to bfloat16, read two at a time; a zero
     // pads an odd n.
     alignas(64) uint32_t packed[GT][kMaxPairs];
     for (int g = 0; g < GT; ++g)
       for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+        const __mmask16 live = first_lanes(n - t);
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + g * stride + t));
         std::memcpy(&packed[g][t / 2], &b, sizeof(b));
       }
@@ -542,7 +551,7 @@ struct HeadTile {
   // acc[g][0, 32 C) (row stride D) += the pairs' products over v's columns [d, d + 32 C). The first
   // panel also trickles out the prefetch (pf), a row pair at a time.
   template <int C>
-  static void accumulate_bf16_panel(const uint32_t (*packed)[128], const c10::BFloat16* v, int64_t n, int64_t D,
+  static void accumulate_bf16_panel(const uint32_t (*packed)[kMaxPairs], const c10::BFloat16* v, int64_t n, int64_t D,
                                     float* acc, int64_t d, RowPrefetch& pf) {
     __m512 lo_acc[GT][C], hi_acc[GT][C];
 #pragma GCC unroll 8
@@ -653,21 +662,20 @@ struct HeadTile {
   // exactly in int32, then w_scale times the sums is added to acc. n <= 256.
   static void accumulate_int8(const float* p, int64_t stride, const int8_t* v, const float* v_scales, int64_t n,
                               int64_t D, float* acc, RowPrefetch& pf) {
-    constexpr int64_t kMaxPairs = 128;
     alignas(64) uint32_t packed[GT][kMaxPairs];  // (w16[2i], w16[2i+1]); a zero pads an odd n
     float w_scale[GT];
     for (int g = 0; g < GT; ++g) {
       const float* pg = p + g * stride;
       __m512 top = _mm512_setzero_ps();
       for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+        const __mmask16 live = first_lanes(n - t);
         top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, pg + t), _mm512_maskz_loadu_ps(live, v_scales + t)));
       }
       const float largest = _mm512_reduce_max_ps(top);
       w_scale[g] = largest > 0.f ? largest * (1.f / 32767.f) : 1.f;
       const __m512 inv = _mm512_set1_ps(32767.f / (largest > 0.f ? largest : 32767.f));
       for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+        const __mmask16 live = first_lanes(n - t);
         const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, pg + t), _mm512_maskz_loadu_ps(live, v_scales + t));
         const __m256i w16 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w, inv)));
         std::memcpy(&packed[g][t / 2], &w16, sizeof(w16));
@@ -680,7 +688,7 @@ struct HeadTile {
     pf.upto(pf.rows);
   }
   template <int C>
-  static void accumulate_int8_panel(const uint32_t (*packed)[128], const float* w_scale, const int8_t* v, int64_t n,
+  static void accumulate_int8_panel(const uint32_t (*packed)[kMaxPairs], const float* w_scale, const int8_t* v, int64_t n,
                                     int64_t D, float* acc, int64_t d, RowPrefetch& pf) {
     __m512i lo_sum[GT][C], hi_sum[GT][C];
     v += d;
