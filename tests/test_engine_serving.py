@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from minipaged_ops.integration import LLMEngine, SamplingParams  # noqa: E402
-from minipaged_ops.integration.engine import llm_engine  # noqa: E402
+from minipaged_ops.integration.engine import step_runner  # noqa: E402
 from test_engine import VOCAB, assert_all_blocks_free, engine_model, prompts_of, reference  # noqa: E402
 
 
@@ -69,18 +69,23 @@ def small_engine(**kwargs):
 # ---------------------------------------------------------------- a step is all or nothing
 
 
-# every place a step can fail, on the engine instance: (attribute path, when to raise)
-FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "sampler.__call__",
-                  "_record_prompt_logprobs", "_accept", "scheduler.finish", "_fork"]
+# every place a step can fail: attribute paths from the engine instance
+FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "step_runner.sampler.__call__",
+                  "step_runner.record_prompt_logprobs", "step_runner.accept", "scheduler.finish", "step_runner.fork"]
+
+
+def attribute(obj, path):
+    """``obj.<path>`` for a dotted ``path`` ("" is ``obj``)."""
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
 
 
 def plant_one_failure(monkeypatch, engine, point, at_call):
     """Make ``engine.<point>`` raise KeyboardInterrupt (as Ctrl-C would) after doing its work, on
     its ``at_call``-th call; returns the call counter."""
     owner_path, _, name = point.rpartition(".")
-    owner = engine
-    for part in filter(None, owner_path.split(".")):
-        owner = getattr(owner, part)
+    owner = attribute(engine, owner_path)
     original = getattr(owner, name)
     calls = {"n": 0}
 
@@ -99,7 +104,8 @@ def plant_one_failure(monkeypatch, engine, point, at_call):
             def __getattr__(self, attr):
                 return getattr(owner, attr)
 
-        monkeypatch.setattr(engine, owner_path, FailingSampler())
+        holder_path, _, attr = owner_path.rpartition(".")
+        monkeypatch.setattr(attribute(engine, holder_path), attr, FailingSampler())
     else:
         monkeypatch.setattr(owner, name, failing)
     return calls
@@ -169,7 +175,7 @@ def test_a_request_that_always_fails_ends_with_error_and_the_others_equal_their_
     failures = []
     final = drain(engine, on_error=failures.append)
     assert final["bad"].outputs[0].finish_reason == "error" and final["bad"].finished
-    assert len(failures) == llm_engine.MAX_FAILURES
+    assert len(failures) == step_runner.MAX_FAILURES
     for i, p in enumerate(prompts):
         assert final[f"r{i}"].outputs[0].token_ids == reference(p, 6), i
     stats = engine.stats()

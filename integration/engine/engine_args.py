@@ -1,0 +1,55 @@
+"""What :class:`~.llm_engine.LLMEngine`'s constructor is given: the checks of its arguments (a
+ValueError that names the argument and what was expected, before anything is built), and what it
+reads from the model and sizes from memory."""
+
+from __future__ import annotations
+
+from .. import _compat
+from ..kv_pool import blocks_for_memory
+from .front_door import is_int
+from .scheduler import POLICIES, PREEMPTION_MODES
+
+__all__ = ["check_engine_args", "eos_token_ids", "pool_blocks", "text_config"]
+
+
+def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens, preemption_mode,
+                      scheduling_policy, seed) -> None:
+    if not _compat.is_pretrained_model(model):
+        raise ValueError(f"LLMEngine: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"LLMEngine: {name} must be a positive int, got {value!r}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"LLMEngine: max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                         f"({max_num_seqs}), or running sequences could not all decode in one step")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"LLMEngine: preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+    if scheduling_policy not in POLICIES:
+        raise ValueError(f"LLMEngine: scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}")
+    if not is_int(seed):
+        raise ValueError(f"LLMEngine: seed must be an int, got {seed!r}")
+
+
+def pool_blocks(num_blocks, kv_cache_memory, *, bytes_per_block: int, device, max_num_seqs: int,
+                max_position_embeddings: int, block_size: int) -> int:
+    """``num_blocks`` (checked), or when None the blocks that fit in ``kv_cache_memory`` (see
+    :func:`..kv_pool.blocks_for_memory`), never more than ``max_num_seqs`` sequences of
+    ``max_position_embeddings`` tokens need."""
+    if num_blocks is None:
+        most = max_num_seqs * -(-max_position_embeddings // block_size)
+        return blocks_for_memory(kv_cache_memory, bytes_per_block, device, most=most, who="LLMEngine")
+    if not is_int(num_blocks) or num_blocks < 1:
+        raise ValueError(f"LLMEngine: num_blocks must be a positive int or None, got {num_blocks!r}")
+    return num_blocks
+
+
+def text_config(model):
+    """The decoder's config (a multimodal model's text config)."""
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
+def eos_token_ids(model) -> frozenset:
+    """The ids of the model's generation config's end-of-sequence tokens (empty without one)."""
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)

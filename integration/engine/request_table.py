@@ -1,0 +1,93 @@
+"""The engine's unfinished requests: taking them in at a step boundary, making their sequences,
+and ending them.
+
+A request is in the table from the step that applies its "add" command until it ends: in a
+step's commit when all its completions have finished (:meth:`RequestTable.complete`), or
+outside one, by an abort or after failing too often (:meth:`RequestTable.end`; reported with
+the next step's outputs). Ending a request frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .sequence import Request, Sequence, Status
+from .stats import StatsLog
+
+__all__ = ["RequestTable"]
+
+
+class RequestTable:
+    """``unfinished``: request id -> request, for every request applied and not yet ended.
+    ``tokenizer``: when given, every sequence gets a detokenizer (text and stop strings)."""
+
+    def __init__(self, scheduler, stats_log: StatsLog, tokenizer=None):
+        self.scheduler, self.stats_log, self.tokenizer = scheduler, stats_log, tokenizer
+        self.unfinished: dict[str, Request] = {}
+        self._ended: list[Request] = []  # ended outside a step's commit: reported by the next step
+
+    def apply(self, commands) -> None:
+        """The front door's commands, in order: ``("add", Request)`` or ``("abort", request_id)``
+        (an id not in the table is ignored: it ended meanwhile)."""
+        for kind, item in commands:
+            if kind == "add":
+                req = item
+                req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
+                req.seqs.append(self.new_sequence(req, 0, list(req.prompt_token_ids)))
+                self.unfinished[req.request_id] = req
+                self.scheduler.add(req.seqs[0])
+            elif item in self.unfinished:
+                self.end(self.unfinished[item], "abort")
+
+    def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        """Completion ``index`` of ``req``, holding ``token_ids`` (the prompt, or a parent's tokens)."""
+        seq = Sequence(f"{req.request_id}#{index}", req, index, token_ids)
+        if req.params.logprobs is not None:
+            seq.logprobs = []
+        if self.tokenizer is not None:
+            seq.detokenizer = self._detokenizer(req)
+        return seq
+
+    def replay_detokenizer(self, seq: Sequence):
+        """A fresh detokenizer that has seen ``seq``'s generated tokens (a rolled-back sequence's)."""
+        detokenizer = self._detokenizer(seq.request)
+        for token in seq.output_ids:
+            detokenizer.push(token)
+        return detokenizer
+
+    def _detokenizer(self, req: Request):
+        from .detokenizer import IncrementalDetokenizer
+
+        params = req.params
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop,
+                                      include_stop_str_in_output=params.include_stop_str_in_output,
+                                      skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End one completion: its blocks freed, its text released."""
+        self.scheduler.finish(seq, reason)
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+
+    def complete(self, req: Request, now: float) -> None:
+        """A request whose completions have all finished in this step's commit."""
+        req.metrics.finished_time = now
+        del self.unfinished[req.request_id]
+        self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs), "finished")
+
+    def end(self, req: Request, reason: str) -> None:
+        """End a request outside a step's commit (abort, error): free its blocks now, report it
+        with the next step's outputs."""
+        for seq in req.seqs:
+            if seq.status != Status.FINISHED:
+                self.finish(seq, reason)
+        req.metrics.finished_time = time.perf_counter()
+        del self.unfinished[req.request_id]
+        self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs),
+                                  "aborted" if reason == "abort" else reason)
+        self._ended.append(req)
+
+    def take_ended(self) -> list[Request]:
+        """The requests ended outside a commit since the last call (the step reports them)."""
+        ended, self._ended = self._ended, []
+        return ended
