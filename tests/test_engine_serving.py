@@ -71,7 +71,8 @@ def small_engine(**kwargs):
 
 # every place a step can fail: attribute paths from the engine instance
 FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "step_runner.sampler.__call__",
-                  "step_runner.record_prompt_logprobs", "step_runner.accept", "scheduler.finish", "step_runner.fork"]
+                  "step_runner.record_prompt_logprobs", "step_runner.accept", "scheduler.finish", "step_runner.fork",
+                  "request_table.complete"]
 
 
 def attribute(obj, path):
@@ -124,6 +125,7 @@ def test_a_one_shot_failure_anywhere_in_a_step_changes_no_output(point, mode, mo
         failures = []
         final = drain(engine, on_error=failures.append)
         monkeypatch.undo()
+        assert calls["n"] >= 1, f"{point} is never called: a failure planted there tests nothing"
         if calls["n"] < at_call:
             continue  # this workload never reaches that call
         assert len(failures) == 1 and "planted" in str(failures[0])
