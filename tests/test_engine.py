@@ -341,6 +341,20 @@ def test_prompt_longer_than_max_positions_is_rejected():
         engine.add_request("long", [3] * 512, SamplingParams())
 
 
+@pytest.mark.parametrize("num_blocks, max_positions", [(10, 512), (64, 40)])
+def test_a_sequence_ends_with_length_at_max_model_len(num_blocks, max_positions):
+    """40 tokens at most, from the pool (10 blocks of 4) or from the model's positions: a prompt
+    of 30 asking for 50 more gets exactly 10, the greedy ones."""
+    model = engine_model(max_positions=max_positions)
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=4)
+    assert engine.max_model_len == 40
+    prompt = prompts_of([30], seed=12)[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == reference(prompt, 10, max_positions=max_positions)
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("kwargs", [dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
                                     dict(max_tokens=0), dict(seed=1.5), dict(stop_token_ids=[-1]),
                                     dict(logprobs=-2), dict(ignore_eos="yes")])
