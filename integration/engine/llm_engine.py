@@ -84,9 +84,10 @@ class LLMEngine:
         self.kv_cache_dtype = quantized.cache_dtype(kv_cache_dtype, self.dtype)  # ValueError naming it
         quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
-        num_blocks = pool_blocks(num_blocks, kv_cache_memory, bytes_per_block=geometry.bytes_per_block(
-            block_size, self.kv_cache_dtype), device=self.device, max_num_seqs=max_num_seqs,
-            max_position_embeddings=self.max_position_embeddings, block_size=block_size)
+        bytes_per_block = geometry.bytes_per_block(block_size, self.kv_cache_dtype)
+        num_blocks = pool_blocks(num_blocks, kv_cache_memory, bytes_per_block=bytes_per_block, device=self.device,
+                                 max_num_seqs=max_num_seqs, max_position_embeddings=self.max_position_embeddings,
+                                 block_size=block_size)
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
@@ -101,9 +102,9 @@ class LLMEngine:
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
         self.stats_log = StatsLog()
         self.request_table = RequestTable(self.scheduler, self.stats_log, tokenizer)
-        self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device), self.stats_log,
-                                      self.request_table, max_model_len=min(self.max_position_embeddings,
-                                                                            num_blocks * block_size), device=self.device)
+        max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
+        self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
+                                      self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, device=None, tensor_parallel_size: int = 1,
