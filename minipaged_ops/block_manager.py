@@ -17,9 +17,10 @@ Caller's contract for one engine step::
 Fork a sequence only after the tokens it holds have been written (forward pass done), since a
 child's later copy-on-write copies whatever the shared block holds at copy time.
 
-Per-step cost: block tables and sequence lengths are mirrored incrementally into preallocated
-int32 numpy arrays (one row per sequence, columns grown by doubling), so the batch tensors for
-a decode step are one fancy-index gather rather than a rebuild from Python lists.
+Two parts live in their own modules: the prefix cache's index of full blocks
+(:mod:`minipaged_ops.prefix_cache`) and the int32 mirror of block tables and sequence lengths
+that makes a step's batch tensors one gather (:mod:`minipaged_ops.block_tables`). This module
+keeps what decides where blocks go: the free pool, reference counts, sequences, copy-on-write.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from .block_tables import BlockTables
+from .prefix_cache import PrefixCache
 
 __all__ = ["KVBlockManager", "OutOfBlocksError"]
 
@@ -43,40 +47,16 @@ class OutOfBlocksError(RuntimeError):
         self.free = free
 
 
-def _chain_hash(parent_hash: Optional[int], tokens: tuple) -> int:
-    """Key of a full block: its parent block's key chained with its own tokens.
-
-    A module-level function so tests can force collisions; a hash match is only ever a
-    candidate -- hits are confirmed against the tokens (see ``_lookup``)."""
-    return hash((parent_hash, tokens))
-
-
-# A block's identity for one lifetime (block id, generation). The generation is bumped every
-# time the block is taken from the free pool, so an identity never names two different contents.
-_Ident = tuple
-
-
-@dataclass
-class _BlockMeta:
-    """Prefix-cache metadata of one physical block (only meaningful while it is registered)."""
-
-    gen: int = 0  # bumped on each allocation; see _Ident
-    key: Optional[int] = None  # chained hash when registered in the prefix cache, else None
-    tokens: Optional[tuple] = None  # this block's token ids (confirmation of a hash match)
-    parent: Optional[_Ident] = None  # identity of the block holding the preceding tokens
-
-
 @dataclass
 class _Seq:
     """One live sequence."""
 
-    row: int  # row in the mirrored numpy tables
+    row: int  # row in BlockTables
     blocks: list = field(default_factory=list)  # logical block index -> physical block id
     length: int = 0  # tokens stored
     tokens: Optional[list] = None  # token ids while all are known and caching is on, else None
     num_hashed: int = 0  # leading full blocks already offered to the prefix cache
-    chain_key: Optional[int] = None  # key of block num_hashed-1 (parent of the next full block)
-    chain_ident: Optional[_Ident] = None  # identity of the cached block holding those tokens
+    chain: Optional[tuple] = None  # the prefix cache's link for the next full block
 
 
 class KVBlockManager:
@@ -100,18 +80,14 @@ class KVBlockManager:
         """Drop every sequence, cached prefix and pending copy; all blocks become free."""
         n = self.num_blocks
         self._ref = [0] * n
-        self._meta = [_BlockMeta() for _ in range(n)]
         self._free = deque(range(n))  # free blocks holding nothing findable, FIFO
         self._free_cached = OrderedDict()  # free but findable blocks, least recently released first
-        self._cache: dict[int, list[int]] = {}  # key -> registered blocks (a list: keys may collide)
+        self._prefix_cache = PrefixCache(n, self.block_size)
+        self._block_tables = BlockTables()
         self._seqs: dict = {}
         self._copies: list[tuple[int, int]] = []
         self._in_copy: set[int] = set()  # sources and destinations of not-yet-taken copies
         self._deferred: list[int] = []  # released blocks of _in_copy, held back until take_copies()
-        self._free_rows: list[int] = []
-        self._next_row = 0
-        self._tables = np.zeros((16, 16), dtype=np.int32)
-        self._lens = np.zeros(16, dtype=np.int32)
 
     # ------------------------------------------------------------------ queries
 
@@ -162,7 +138,7 @@ class KVBlockManager:
         tokens, _ = _normalize_tokens(token_ids, None)
         if not self.enable_prefix_caching:
             return 0
-        return len(self._lookup(tokens)[0]) * self.block_size
+        return len(self._prefix_cache.lookup(tokens)[0]) * self.block_size
 
     def blocks_needed_to_allocate(self, prompts: Sequence) -> int:
         """Blocks that creating every prompt (token ids, or a token count) in order takes from
@@ -178,7 +154,8 @@ class KVBlockManager:
                 tokens, n = _normalize_tokens(None, prompt)
             else:
                 tokens, n = _normalize_tokens(prompt, None)
-            hits = self._lookup(tokens)[0] if self.enable_prefix_caching and tokens is not None else []
+            track = self.enable_prefix_caching and tokens is not None
+            hits = self._prefix_cache.lookup(tokens)[0] if track else []
             certain = 0
             for b in hits:
                 if self._ref[b] == 0 and i > 0:
@@ -238,7 +215,7 @@ class KVBlockManager:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens, n = _normalize_tokens(token_ids, num_tokens)
         track = self.enable_prefix_caching and tokens is not None
-        hits, key, ident = self._lookup(tokens) if track else ([], None, None)
+        hits, chain = self._prefix_cache.lookup(tokens) if track else ([], None)
 
         # Check before mutating anything, so that failure leaves the state unchanged. Hit blocks
         # that are cached-but-free come out of the free pool too.
@@ -249,15 +226,15 @@ class KVBlockManager:
         for b in hits:
             self._free_cached.pop(b, None)
             self._ref[b] += 1
-        seq = _Seq(row=self._take_row(), tokens=tokens if track else None,
-                   num_hashed=len(hits), chain_key=key, chain_ident=ident)
+        seq = _Seq(row=self._block_tables.take_row(), tokens=tokens if track else None,
+                   num_hashed=len(hits), chain=chain)
         self._seqs[seq_id] = seq
         for b in hits:
             self._push_block(seq, b)
         for _ in range(new):
             self._push_block(seq, self._take_free_block())
         seq.length = n
-        self._lens[seq.row] = n
+        self._block_tables.set_seq_len(seq.row, n)
         self._register_full_blocks(seq)
         return len(hits) * self.block_size
 
@@ -279,7 +256,7 @@ class KVBlockManager:
             if self._ref[block] > 1:  # shared: never write where another sequence reads
                 block = self._copy_on_write(seq, seq_id)
         seq.length += 1
-        self._lens[seq.row] = seq.length
+        self._block_tables.set_seq_len(seq.row, seq.length)
         if seq.tokens is not None:
             if token_id is None:
                 seq.tokens = None  # later blocks cannot be keyed by content
@@ -310,16 +287,13 @@ class KVBlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
-        child = _Seq(row=self._take_row(), blocks=list(parent.blocks), length=parent.length,
+        child = _Seq(row=self._block_tables.take_row(), blocks=list(parent.blocks), length=parent.length,
                      tokens=None if parent.tokens is None else list(parent.tokens),
-                     num_hashed=parent.num_hashed, chain_key=parent.chain_key,
-                     chain_ident=parent.chain_ident)
+                     num_hashed=parent.num_hashed, chain=parent.chain)
         self._seqs[child_id] = child
         for b in child.blocks:
             self._ref[b] += 1
-        self._ensure_cols(len(child.blocks))
-        self._tables[child.row] = self._tables[parent.row]
-        self._lens[child.row] = child.length
+        self._block_tables.copy_row(parent.row, child.row)
 
     def release_sequence(self, seq_id, *, written: Optional[int] = None) -> None:
         """Drop a sequence. Blocks no longer referenced return to the pool (cached ones stay
@@ -333,8 +307,8 @@ class KVBlockManager:
             if isinstance(written, bool) or not isinstance(written, (int, np.integer)) or not 0 <= written <= seq.length:
                 raise ValueError(f"written must be an int in [0, {seq.length}] for sequence {seq_id!r}, got {written!r}")
             for b in seq.blocks[written // self.block_size:]:
-                if self._meta[b].key is not None:
-                    self._unregister(b)
+                if self._prefix_cache.is_registered(b):
+                    self._prefix_cache.unregister(b)
         del self._seqs[seq_id]
         # Release tail first so that, within one sequence, deeper blocks are evicted before the
         # blocks they chain from (evicting a parent makes its cached children unreachable).
@@ -342,9 +316,7 @@ class KVBlockManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._return_block(b)
-        self._tables[seq.row, : len(seq.blocks)] = 0
-        self._lens[seq.row] = 0
-        self._free_rows.append(seq.row)
+        self._block_tables.release_row(seq.row, len(seq.blocks))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies recorded since the last call, in order.
@@ -364,11 +336,9 @@ class KVBlockManager:
     def get_batch_tensors(self, seq_ids: Sequence, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables, seq_lens) for a batch with one row lookup."""
         seqs = [self._get(s) for s in seq_ids]
-        rows = [s.row for s in seqs]
         width = max((len(s.blocks) for s in seqs), default=0) or 1  # kernels want >= 1 column
-        tables = torch.from_numpy(self._tables[rows, :width])  # fancy index = one gather + copy
-        lens = torch.from_numpy(self._lens[rows])
-        return _to(tables, device), _to(lens, device)
+        block_tables, seq_lens = self._block_tables.gather([s.row for s in seqs], width)
+        return _to(block_tables, device), _to(seq_lens, device)
 
     # ------------------------------------------------------------------ accounting
 
@@ -389,7 +359,7 @@ class KVBlockManager:
             "blocks_cached_free": len(self._free_cached),
             "blocks_awaiting_copy": len(self._deferred),
             "blocks_shared": sum(1 for r in self._ref if r > 1),
-            "blocks_cached": sum(len(v) for v in self._cache.values()),
+            "blocks_cached": self._prefix_cache.num_registered,
             "sequences": len(self._seqs),
             "tokens_stored": stored,
             "tokens_logical": sum(s.length for s in self._seqs.values()),
@@ -412,8 +382,12 @@ class KVBlockManager:
                     bad.append(f"seq {sid!r}: block id {b} out of range")
                 else:
                     refs[b] += 1
-            bad += self._mirror_violations(sid, seq)
-            bad += self._token_violations(sid, seq)
+            if not self._block_tables.row_matches(seq.row, seq.blocks, seq.length):
+                bad.append(f"seq {sid!r}: numpy mirror out of sync")
+            if seq.tokens is not None:  # registered blocks must hold the tokens of every user
+                for b in self._prefix_cache.blocks_holding_other_tokens(
+                        seq.blocks[: seq.length // bs], seq.tokens):
+                    bad.append(f"seq {sid!r}: cached block {b} holds other tokens")
         if refs != self._ref:
             bad.append("reference counts differ from table entries: "
                        f"{[(b, self._ref[b], refs[b]) for b in range(n) if refs[b] != self._ref[b]]}")
@@ -425,42 +399,18 @@ class KVBlockManager:
             if (refs[b] > 0) == (b in pooled):
                 bad.append(f"block {b}: referenced {refs[b]} times, in free pool: {b in pooled}")
         for b in self._free:
-            if self._meta[b].key is not None:
+            if self._prefix_cache.is_registered(b):
                 bad.append(f"block {b} is in the plain free list but still registered")
         for b in self._deferred:
             if b not in self._in_copy:
                 bad.append(f"block {b} is held back but no pending copy names it")
-        for key, blocks in self._cache.items():
-            for b in blocks:
-                if self._meta[b].key != key:
-                    bad.append(f"cache key {key} points at block {b} registered as {self._meta[b].key}")
-                if refs[b] == 0 and b not in self._free_cached:
-                    bad.append(f"cached block {b} is neither referenced nor cached-free")
-        registered = sum(1 for m in self._meta if m.key is not None)
-        if registered != sum(len(v) for v in self._cache.values()):
-            bad.append("registered blocks and cache entries disagree")
+        for b in self._prefix_cache.registered_blocks():
+            if refs[b] == 0 and b not in self._free_cached:
+                bad.append(f"cached block {b} is neither referenced nor cached-free")
+        bad += self._prefix_cache.invariant_violations()
         for b in self._free_cached:
-            if self._meta[b].key is None:
+            if not self._prefix_cache.is_registered(b):
                 bad.append(f"cached-free block {b} is not registered")
-        return bad
-
-    def _mirror_violations(self, sid, seq: _Seq) -> list[str]:
-        row = self._tables[seq.row]
-        nb = len(seq.blocks)
-        if row[:nb].tolist() != seq.blocks or row[nb:].any() or self._lens[seq.row] != seq.length:
-            return [f"seq {sid!r}: numpy mirror out of sync"]
-        return []
-
-    def _token_violations(self, sid, seq: _Seq) -> list[str]:
-        """Registered blocks must hold exactly the tokens of every sequence that uses them."""
-        if seq.tokens is None:
-            return []
-        bad = []
-        bs = self.block_size
-        for i, b in enumerate(seq.blocks[: seq.length // bs]):
-            meta = self._meta[b]
-            if meta.key is not None and meta.tokens != tuple(seq.tokens[i * bs:(i + 1) * bs]):
-                bad.append(f"seq {sid!r}: cached block {b} holds other tokens")
         return bad
 
     # ------------------------------------------------------------------ internals
@@ -485,8 +435,8 @@ class KVBlockManager:
             b = self._free.popleft()
         else:
             b, _ = self._free_cached.popitem(last=False)
-            self._unregister(b)
-        self._meta[b].gen += 1  # new lifetime: stale parent links to it can no longer match
+            self._prefix_cache.unregister(b)
+        self._prefix_cache.new_lifetime(b)
         self._ref[b] = 1
         return b
 
@@ -494,7 +444,7 @@ class KVBlockManager:
         """A block whose last reference went away goes back to the pool."""
         if b in self._in_copy:
             self._deferred.append(b)  # a pending copy still names it; see take_copies()
-        elif self._meta[b].key is not None:
+        elif self._prefix_cache.is_registered(b):
             self._free_cached[b] = None  # newest at the end: evicted last
         else:
             self._free.append(b)
@@ -505,63 +455,14 @@ class KVBlockManager:
         new = self._take_free_block()
         self._ref[old] -= 1  # still >= 1: another sequence holds it
         seq.blocks[-1] = new
-        self._tables[seq.row, len(seq.blocks) - 1] = new
+        self._block_tables.set_block(seq.row, len(seq.blocks) - 1, new)
         self._copies.append((old, new))
         self._in_copy.update((old, new))
         return new
 
     def _push_block(self, seq: _Seq, b: int) -> None:
-        i = len(seq.blocks)
+        self._block_tables.set_block(seq.row, len(seq.blocks), b)
         seq.blocks.append(b)
-        if i >= self._tables.shape[1]:
-            self._ensure_cols(i + 1)
-        self._tables[seq.row, i] = b
-
-    def _take_row(self) -> int:
-        if self._free_rows:
-            return self._free_rows.pop()
-        row = self._next_row
-        self._next_row += 1
-        if row >= self._tables.shape[0]:  # grow by doubling: amortised O(1) per sequence
-            rows = 2 * self._tables.shape[0]
-            self._tables = _grown(self._tables, (rows, self._tables.shape[1]))
-            self._lens = _grown(self._lens, (rows,))
-        return row
-
-    def _ensure_cols(self, cols: int) -> None:
-        if cols > self._tables.shape[1]:
-            width = self._tables.shape[1]
-            while width < cols:
-                width *= 2
-            self._tables = _grown(self._tables, (self._tables.shape[0], width))
-
-    # --- prefix cache
-
-    def _lookup(self, tokens: list) -> tuple[list[int], Optional[int], Optional[_Ident]]:
-        """Longest run of cached full blocks matching a prompt, leaving its last token out.
-
-        Block i matches a candidate only if the candidate's tokens equal the prompt's tokens of
-        block i and its parent is the block matched for i-1 (same lifetime), so the whole prefix
-        is confirmed by induction, token by token; the hash only narrows the search."""
-        bs = self.block_size
-        hits: list[int] = []
-        key, ident = None, None
-        for i in range((len(tokens) - 1) // bs if tokens else 0):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            k = _chain_hash(key, chunk)
-            b = self._find(k, chunk, ident)
-            if b is None:
-                break
-            hits.append(b)
-            key, ident = k, (b, self._meta[b].gen)
-        return hits, key, ident
-
-    def _find(self, key: int, chunk: tuple, parent: Optional[_Ident]) -> Optional[int]:
-        for b in self._cache.get(key, ()):
-            meta = self._meta[b]
-            if meta.tokens == chunk and meta.parent == parent:
-                return b
-        return None
 
     def _register_full_blocks(self, seq: _Seq) -> None:
         """Offer the sequence's newly full blocks to the prefix cache."""
@@ -571,25 +472,8 @@ class KVBlockManager:
         while seq.num_hashed < seq.length // bs:
             i = seq.num_hashed
             chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            key = _chain_hash(seq.chain_key, chunk)
-            b = self._find(key, chunk, seq.chain_ident)
-            if b is None:  # first copy of this prefix: make it findable
-                b = seq.blocks[i]
-                meta = self._meta[b]
-                meta.key, meta.tokens, meta.parent = key, chunk, seq.chain_ident
-                self._cache.setdefault(key, []).append(b)
-            # else: an identical block is already cached; chain later blocks to that one so that
-            # lookups (which walk cached blocks) can reach them.
+            seq.chain = self._prefix_cache.register(seq.chain, chunk, seq.blocks[i])
             seq.num_hashed += 1
-            seq.chain_key, seq.chain_ident = key, (b, self._meta[b].gen)
-
-    def _unregister(self, b: int) -> None:
-        meta = self._meta[b]
-        bucket = self._cache[meta.key]
-        bucket.remove(b)
-        if not bucket:
-            del self._cache[meta.key]
-        meta.key = meta.tokens = meta.parent = None
 
 
 def _normalize_tokens(token_ids, num_tokens) -> tuple[Optional[list], int]:
@@ -607,12 +491,6 @@ def _normalize_tokens(token_ids, num_tokens) -> tuple[Optional[list], int]:
     if num_tokens is not None and num_tokens != len(tokens):
         raise ValueError(f"num_tokens={num_tokens} but {len(tokens)} token_ids were given")
     return tokens, len(tokens)
-
-
-def _grown(arr: np.ndarray, shape: tuple) -> np.ndarray:
-    out = np.zeros(shape, dtype=arr.dtype)
-    out[tuple(slice(0, s) for s in arr.shape)] = arr
-    return out
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minipaged_ops import KVBlockManager, OutOfBlocksError
-import minipaged_ops.block_manager as bm
+import minipaged_ops.prefix_cache as prefix_cache
 
 ALPHABET = 3  # few distinct tokens, so prompts share prefixes and the prefix cache gets hits
 BASES = [[random.Random(k).randrange(ALPHABET) for _ in range(48)] for k in range(3)]
@@ -248,7 +248,8 @@ _op = st.one_of(
 @given(num_blocks=st.integers(1, 24), ops=st.lists(_op, max_size=40))
 def test_random_workload_matches_shadow(block_size, mode, num_blocks, ops):
     h = Harness(num_blocks, block_size, caching=mode != "plain")
-    with mock.patch.object(bm, "_chain_hash", weak_hash if mode.endswith("weak_hash") else bm._chain_hash):
+    hash_fn = weak_hash if mode.endswith("weak_hash") else prefix_cache._chain_hash
+    with mock.patch.object(prefix_cache, "_chain_hash", hash_fn):
         for op in ops:
             h.step(op)
         for sid in list(h.hist):  # everything returns to the pool once all owners are gone
@@ -284,7 +285,7 @@ def _fuzz_op(rng: random.Random):
 def test_seeded_fuzz_10k_operations(block_size, num_blocks, hash_fn):
     rng = random.Random(20240611 + block_size)
     h = Harness(num_blocks, block_size, caching=True)
-    with mock.patch.object(bm, "_chain_hash", hash_fn or bm._chain_hash):
+    with mock.patch.object(prefix_cache, "_chain_hash", hash_fn or prefix_cache._chain_hash):
         for _ in range(10_000):
             h.step(_fuzz_op(rng))
     # The run must actually exercise the interesting paths, or it proves nothing.
@@ -370,7 +371,7 @@ def test_shared_system_prompt_is_ref_counted_and_returned_to_the_pool():
 
 
 def test_prefix_hit_confirmed_against_tokens_despite_hash_collisions(monkeypatch):
-    monkeypatch.setattr(bm, "_chain_hash", lambda parent, tokens: 0)  # everything collides
+    monkeypatch.setattr(prefix_cache, "_chain_hash", lambda parent, tokens: 0)  # everything collides
     m = KVBlockManager(32, 2, enable_prefix_caching=True)
     m.create_sequence("a", [1, 1, 2, 2, 0])
     assert m.create_sequence("b", [3, 3, 4, 4, 0]) == 0  # same hash, other tokens: a miss
@@ -388,7 +389,7 @@ def test_stale_parent_link_after_eviction_is_not_a_hit(monkeypatch):
     # "s" computes its own copy of a cached block (not registered: a duplicate), so its next
     # block chains to a's block 0. Once that block is evicted and reused for other tokens,
     # the chain must not lead to s's block: it holds the prefix [1, 2, 3, 4], not [7, 8, 3, 4].
-    monkeypatch.setattr(bm, "_chain_hash", lambda parent, tokens: 0)  # only tokens+links decide
+    monkeypatch.setattr(prefix_cache, "_chain_hash", lambda parent, tokens: 0)  # only tokens+links decide
     m = KVBlockManager(7, 2, enable_prefix_caching=True)
     m.create_sequence("a", [1, 2, 9])  # blocks 0, 1
     m.create_sequence("s", [1, 2])  # (2-1)//2 = 0 blocks looked up; own block 2
