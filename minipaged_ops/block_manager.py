@@ -17,15 +17,14 @@ Caller's contract for one engine step::
 Fork a sequence only after the tokens it holds have been written (forward pass done), since a
 child's later copy-on-write copies whatever the shared block holds at copy time.
 
-Two parts live in their own modules: the prefix cache's index of full blocks
-(:mod:`minipaged_ops.prefix_cache`) and the int32 mirror of block tables and sequence lengths
-that makes a step's batch tensors one gather (:mod:`minipaged_ops.block_tables`). This module
-keeps what decides where blocks go: the free pool, reference counts, sequences, copy-on-write.
+Its parts, one module each: :mod:`~minipaged_ops.free_pool` (where unreferenced blocks wait and
+which one an allocation takes), :mod:`~minipaged_ops.prefix_cache` (the index of full blocks by
+content) and :mod:`~minipaged_ops.block_tables` (the int32 mirror that makes a step's batch
+tensors one gather). This module keeps sequences, reference counts, copy-on-write and forking.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from .block_tables import BlockTables
+from .free_pool import FreePool
 from .prefix_cache import PrefixCache
 
 __all__ = ["KVBlockManager", "OutOfBlocksError"]
@@ -80,21 +80,17 @@ class KVBlockManager:
         """Drop every sequence, cached prefix and pending copy; all blocks become free."""
         n = self.num_blocks
         self._ref = [0] * n
-        self._free = deque(range(n))  # free blocks holding nothing findable, FIFO
-        self._free_cached = OrderedDict()  # free but findable blocks, least recently released first
         self._prefix_cache = PrefixCache(n, self.block_size)
+        self._pool = FreePool(n, self._prefix_cache)
         self._block_tables = BlockTables()
         self._seqs: dict = {}
-        self._copies: list[tuple[int, int]] = []
-        self._in_copy: set[int] = set()  # sources and destinations of not-yet-taken copies
-        self._deferred: list[int] = []  # released blocks of _in_copy, held back until take_copies()
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take now (cached-but-free ones included)."""
-        return len(self._free) + len(self._free_cached)
+        return self._pool.num_free
 
     def has_sequence(self, seq_id) -> bool:
         return seq_id in self._seqs
@@ -224,7 +220,7 @@ class KVBlockManager:
         self._check_free(from_pool, f"create sequence {seq_id!r}")
 
         for b in hits:
-            self._free_cached.pop(b, None)
+            self._pool.claim(b)
             self._ref[b] += 1
         seq = _Seq(row=self._block_tables.take_row(), tokens=tokens if track else None,
                    num_hashed=len(hits), chain=chain)
@@ -232,7 +228,9 @@ class KVBlockManager:
         for b in hits:
             self._push_block(seq, b)
         for _ in range(new):
-            self._push_block(seq, self._take_free_block())
+            b = self._pool.take()
+            self._ref[b] = 1
+            self._push_block(seq, b)
         seq.length = n
         self._block_tables.set_seq_len(seq.row, n)
         self._register_full_blocks(seq)
@@ -249,7 +247,8 @@ class KVBlockManager:
         offset = seq.length % bs
         if offset == 0:  # crossing into a new block: the only time a block is taken
             self._check_free(1, f"append to sequence {seq_id!r}")
-            block = self._take_free_block()
+            block = self._pool.take()
+            self._ref[block] = 1
             self._push_block(seq, block)
         else:
             block = seq.blocks[-1]
@@ -315,7 +314,7 @@ class KVBlockManager:
         for b in reversed(seq.blocks):
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._return_block(b)
+                self._pool.put(b)
         self._block_tables.release_row(seq.row, len(seq.blocks))
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -324,12 +323,7 @@ class KVBlockManager:
         A block named by a pending copy is held out of the pool until this call even if released,
         so a batch never reuses a source as a destination nor a destination twice: the copies
         may run in parallel (given the contract above: no fork between append and copy)."""
-        copies, self._copies = self._copies, []
-        self._in_copy.clear()
-        for b in self._deferred:
-            self._return_block(b)
-        self._deferred.clear()
-        return copies
+        return self._pool.take_copies()
 
     # ------------------------------------------------------------------ batch tensors
 
@@ -356,8 +350,8 @@ class KVBlockManager:
             "blocks_total": self.num_blocks,
             "blocks_used": used,
             "blocks_free": self.num_free_blocks,
-            "blocks_cached_free": len(self._free_cached),
-            "blocks_awaiting_copy": len(self._deferred),
+            "blocks_cached_free": self._pool.num_cached_free,
+            "blocks_awaiting_copy": self._pool.num_awaiting_copy,
             "blocks_shared": sum(1 for r in self._ref if r > 1),
             "blocks_cached": self._prefix_cache.num_registered,
             "sequences": len(self._seqs),
@@ -391,26 +385,8 @@ class KVBlockManager:
         if refs != self._ref:
             bad.append("reference counts differ from table entries: "
                        f"{[(b, self._ref[b], refs[b]) for b in range(n) if refs[b] != self._ref[b]]}")
-        pools = list(self._free) + list(self._free_cached) + self._deferred
-        if len(pools) != len(set(pools)):
-            bad.append("a block appears twice among the free lists")
-        pooled = set(pools)
-        for b in range(n):
-            if (refs[b] > 0) == (b in pooled):
-                bad.append(f"block {b}: referenced {refs[b]} times, in free pool: {b in pooled}")
-        for b in self._free:
-            if self._prefix_cache.is_registered(b):
-                bad.append(f"block {b} is in the plain free list but still registered")
-        for b in self._deferred:
-            if b not in self._in_copy:
-                bad.append(f"block {b} is held back but no pending copy names it")
-        for b in self._prefix_cache.registered_blocks():
-            if refs[b] == 0 and b not in self._free_cached:
-                bad.append(f"cached block {b} is neither referenced nor cached-free")
+        bad += self._pool.invariant_violations(refs)
         bad += self._prefix_cache.invariant_violations()
-        for b in self._free_cached:
-            if not self._prefix_cache.is_registered(b):
-                bad.append(f"cached-free block {b} is not registered")
         return bad
 
     # ------------------------------------------------------------------ internals
@@ -424,40 +400,21 @@ class KVBlockManager:
     def _check_free(self, needed: int, what: str) -> None:
         free = self.num_free_blocks
         if needed > free:
-            held = f"; {len(self._deferred)} more await take_copies()" if self._deferred else ""
+            held = self._pool.num_awaiting_copy
+            held = f"; {held} more await take_copies()" if held else ""
             raise OutOfBlocksError(
                 f"out of KV blocks: {what} needs {needed} block(s) but {free} of "
                 f"{self.num_blocks} are free{held}", needed=needed, free=free)
 
-    def _take_free_block(self) -> int:
-        """Pop a free block: never-cached ones first, then evict the least recently released."""
-        if self._free:
-            b = self._free.popleft()
-        else:
-            b, _ = self._free_cached.popitem(last=False)
-            self._prefix_cache.unregister(b)
-        self._prefix_cache.new_lifetime(b)
-        self._ref[b] = 1
-        return b
-
-    def _return_block(self, b: int) -> None:
-        """A block whose last reference went away goes back to the pool."""
-        if b in self._in_copy:
-            self._deferred.append(b)  # a pending copy still names it; see take_copies()
-        elif self._prefix_cache.is_registered(b):
-            self._free_cached[b] = None  # newest at the end: evicted last
-        else:
-            self._free.append(b)
-
     def _copy_on_write(self, seq: _Seq, seq_id) -> int:
         self._check_free(1, f"copy-on-write for sequence {seq_id!r}")
         old = seq.blocks[-1]
-        new = self._take_free_block()
+        new = self._pool.take()
+        self._ref[new] = 1
         self._ref[old] -= 1  # still >= 1: another sequence holds it
         seq.blocks[-1] = new
         self._block_tables.set_block(seq.row, len(seq.blocks) - 1, new)
-        self._copies.append((old, new))
-        self._in_copy.update((old, new))
+        self._pool.record_copy(old, new)
         return new
 
     def _push_block(self, seq: _Seq, b: int) -> None:
