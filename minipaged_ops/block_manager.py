@@ -19,8 +19,8 @@ child's later copy-on-write copies whatever the shared block holds at copy time.
 
 Its parts, one module each: :mod:`~minipaged_ops.free_pool` (where unreferenced blocks wait and
 which one an allocation takes), :mod:`~minipaged_ops.prefix_cache` (the index of full blocks by
-content) and :mod:`~minipaged_ops.block_tables` (the int32 mirror that makes a step's batch
-tensors one gather). This module keeps sequences, reference counts, copy-on-write and forking.
+content) and :mod:`~minipaged_ops.block_tables` (the int32 mirror that makes a step's block
+tables one gather). This module keeps sequences, reference counts, copy-on-write and forking.
 """
 
 from __future__ import annotations
@@ -232,7 +232,6 @@ class KVBlockManager:
             self._ref[b] = 1
             self._push_block(seq, b)
         seq.length = n
-        self._block_tables.set_seq_len(seq.row, n)
         self._register_full_blocks(seq)
         return len(hits) * self.block_size
 
@@ -255,7 +254,6 @@ class KVBlockManager:
             if self._ref[block] > 1:  # shared: never write where another sequence reads
                 block = self._copy_on_write(seq, seq_id)
         seq.length += 1
-        self._block_tables.set_seq_len(seq.row, seq.length)
         if seq.tokens is not None:
             if token_id is None:
                 seq.tokens = None  # later blocks cannot be keyed by content
@@ -331,7 +329,8 @@ class KVBlockManager:
         """(block_tables, seq_lens) for a batch with one row lookup."""
         seqs = [self._get(s) for s in seq_ids]
         width = max((len(s.blocks) for s in seqs), default=0) or 1  # kernels want >= 1 column
-        block_tables, seq_lens = self._block_tables.gather([s.row for s in seqs], width)
+        block_tables = self._block_tables.gather([s.row for s in seqs], width)
+        seq_lens = torch.from_numpy(np.fromiter([s.length for s in seqs], np.int32, len(seqs)))
         return _to(block_tables, device), _to(seq_lens, device)
 
     # ------------------------------------------------------------------ accounting
@@ -376,7 +375,7 @@ class KVBlockManager:
                     bad.append(f"seq {sid!r}: block id {b} out of range")
                 else:
                     refs[b] += 1
-            if not self._block_tables.row_matches(seq.row, seq.blocks, seq.length):
+            if not self._block_tables.row_matches(seq.row, seq.blocks):
                 bad.append(f"seq {sid!r}: numpy mirror out of sync")
             if seq.tokens is not None:  # registered blocks must hold the tokens of every user
                 for b in self._prefix_cache.blocks_holding_other_tokens(

@@ -1,10 +1,13 @@
-"""BlockTables: every live sequence's block table and length, mirrored into int32 numpy arrays.
+"""BlockTables: every live sequence's block table, mirrored into one int32 numpy array.
 
-The kernels take a batch's block tables as one padded int32 ``[batch, width]`` tensor and its
-sequence lengths as int32 ``[batch]``. Keeping one row per sequence up to date as it grows (one
-write per new block, one per token) makes a decode step's tensors one fancy-index gather rather
-than a rebuild from Python lists. Rows are recycled; the arrays grow by doubling, so growth is
-amortised O(1). Entries past a sequence's last block stay 0, a valid block id for padding.
+The kernels take a batch's block tables as one padded int32 ``[batch, width]`` tensor. Keeping
+one row per sequence up to date as it grows (one write per new block) makes a decode step's
+tensor one fancy-index gather rather than a rebuild from Python lists. Rows are recycled; the
+array grows by doubling, so growth is amortised O(1). Entries past a sequence's last block stay
+0, a valid block id for padding.
+
+Sequence lengths are not mirrored: a write per token would cost more than reading the batch's
+lengths once per step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ __all__ = ["BlockTables"]
 class BlockTables:
     def __init__(self):
         self._block_tables = np.zeros((16, 16), dtype=np.int32)
-        self._seq_lens = np.zeros(16, dtype=np.int32)
         self._free_rows: list[int] = []
         self._next_row = 0
 
@@ -31,13 +33,11 @@ class BlockTables:
         if row >= self._block_tables.shape[0]:
             rows = 2 * self._block_tables.shape[0]
             self._block_tables = _grown(self._block_tables, (rows, self._block_tables.shape[1]))
-            self._seq_lens = _grown(self._seq_lens, (rows,))
         return row
 
     def release_row(self, row: int, num_blocks: int) -> None:
         """Zero a row whose sequence held ``num_blocks`` blocks and recycle it."""
         self._block_tables[row, :num_blocks] = 0
-        self._seq_lens[row] = 0
         self._free_rows.append(row)
 
     def set_block(self, row: int, index: int, block: int) -> None:
@@ -48,25 +48,20 @@ class BlockTables:
             self._block_tables = _grown(self._block_tables, (self._block_tables.shape[0], width))
         self._block_tables[row, index] = block
 
-    def set_seq_len(self, row: int, length: int) -> None:
-        self._seq_lens[row] = length
-
     def copy_row(self, src: int, dst: int) -> None:
-        """A forked sequence starts with its parent's table and length."""
+        """A forked sequence starts with its parent's table."""
         self._block_tables[dst] = self._block_tables[src]
-        self._seq_lens[dst] = self._seq_lens[src]
 
-    def gather(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block_tables ``[len(rows), width]``, seq_lens ``[len(rows)]``), int32 CPU tensors of
-        their own (a fancy index copies), so later updates do not show through."""
-        return (torch.from_numpy(self._block_tables[rows, :width]),
-                torch.from_numpy(self._seq_lens[rows]))
+    def gather(self, rows: list[int], width: int) -> torch.Tensor:
+        """Block tables ``[len(rows), width]``, an int32 CPU tensor of its own (a fancy index
+        copies), so later updates do not show through."""
+        return torch.from_numpy(self._block_tables[rows, :width])
 
-    def row_matches(self, row: int, blocks: list[int], length: int) -> bool:
-        """Whether a row holds exactly ``blocks`` (then zeros) and ``length``."""
+    def row_matches(self, row: int, blocks: list[int]) -> bool:
+        """Whether a row holds exactly ``blocks``, then zeros."""
         table = self._block_tables[row]
         n = len(blocks)
-        return table[:n].tolist() == blocks and not table[n:].any() and self._seq_lens[row] == length
+        return table[:n].tolist() == blocks and not table[n:].any()
 
 
 def _grown(arr: np.ndarray, shape: tuple) -> np.ndarray:
