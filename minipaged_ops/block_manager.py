@@ -228,9 +228,7 @@ class KVBlockManager:
         for b in hits:
             self._push_block(seq, b)
         for _ in range(new):
-            b = self._pool.take()
-            self._ref[b] = 1
-            self._push_block(seq, b)
+            self._push_block(seq, self._take_block())
         seq.length = n
         self._register_full_blocks(seq)
         return len(hits) * self.block_size
@@ -246,8 +244,7 @@ class KVBlockManager:
         offset = seq.length % bs
         if offset == 0:  # crossing into a new block: the only time a block is taken
             self._check_free(1, f"append to sequence {seq_id!r}")
-            block = self._pool.take()
-            self._ref[block] = 1
+            block = self._take_block()
             self._push_block(seq, block)
         else:
             block = seq.blocks[-1]
@@ -405,11 +402,15 @@ class KVBlockManager:
                 f"out of KV blocks: {what} needs {needed} block(s) but {free} of "
                 f"{self.num_blocks} are free{held}", needed=needed, free=free)
 
+    def _take_block(self) -> int:
+        b = self._pool.take()
+        self._ref[b] = 1
+        return b
+
     def _copy_on_write(self, seq: _Seq, seq_id) -> int:
         self._check_free(1, f"copy-on-write for sequence {seq_id!r}")
         old = seq.blocks[-1]
-        new = self._pool.take()
-        self._ref[new] = 1
+        new = self._take_block()
         self._ref[old] -= 1  # still >= 1: another sequence holds it
         seq.blocks[-1] = new
         self._block_tables.set_block(seq.row, len(seq.blocks) - 1, new)
