@@ -1,0 +1,360 @@
+// A prefill work item (a tile of query rows of one kv head, see prefill.cpp), its per-thread
+// scratch, and the AVX-512 lane path that runs an item with the query rows along the vector lanes
+// where it can (head_dim 64, 128 or 256 and at least 16 rows); prefill.cpp has the generic path and
+// the op. Included only by prefill.cpp, once per instruction-set object (cpu/isa.h).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cache_layout.h"
+#include "cpu/isa.h"
+#include "cpu/row_prefetch.h"
+#include "cpu/vec.h"
+
+namespace minipaged::MINIPAGED_CPU_ISA {
+namespace {
+
+// Query rows per work item. 64 rows x 128 floats is 32 KiB of accumulator plus as much query:
+// L1/L2-resident, and each K/V row is reused 64 times per load.
+constexpr int64_t kTileRows = 64;
+
+struct PrefillItem {
+  int64_t seq, first_token, num_tokens, kv_head;  // tokens are new-token indices of the sequence
+  int64_t cost;                                     // keys read x rows, for scheduling
+};
+
+// Per-thread buffers of one work item; rows are (token, head in group), token-major.
+struct TileScratch {
+  std::vector<float> q, scores, max_score, acc;
+  std::vector<f32x16> exp_sum;
+  std::vector<c10::BFloat16> q_bf16;
+#if defined(__AVX512F__)
+  // The lane path's (below), in 64-byte vectors: transposed query and accumulator, one chunk's
+  // K and V rows (when copied), V as bfloat16 pairs, probabilities, running max and sum, query
+  // positions.
+  struct alignas(64) Vector {
+    float lanes[16];
+  };
+  std::vector<Vector> qt, ot, k, v, v_pairs, p, max_score_lanes, exp_sum_lanes, position;
+#endif
+};
+
+#if defined(__AVX512F__)
+// ---- The AVX-512 lane path: query rows along the vector lanes ----
+//
+// A row group is 16 rows of the tile, one per lane. The query is transposed once per work item
+// into qt ([head_dim][16] per row group), so S^T for a chunk of 16 keys is 16 accumulators, one
+// per key: for each head-dim element, one qt vector times that key's element broadcast straight
+// from its cache row (an FMA with a memory broadcast operand). No per-block transposition and no
+// horizontal sums; the FLOPs run as a 16 x 16 outer-product GEMM microkernel. The scores come out
+// as one vector per key with the rows in the lanes, so the online softmax (max, rescale, exp,
+// sum) is lane-wise too, and P.V is rank-1 updates of O^T ([head_dim][16] per row group): a value
+// element broadcast times a vector of 16 rows' probabilities. The running-max rescale of O^T is a
+// lane-wise multiply folded into the loads of the P.V tile.
+//
+// bfloat16 (AVX512-BF16) does both products with the pair dot product: qt holds (d, d+1) pairs
+// of each row, the broadcast is a key's (d, d+1) pair; for P.V the chunk's value rows are
+// interleaved two keys at a time, (v[2i][d], v[2i+1][d]), against probability pairs
+// (p[2i][r], p[2i+1][r]) rounded to bfloat16 (as FlashAttention does for P.V; the softmax state
+// and both products' sums stay float32). float16, and bfloat16 without AVX512-BF16, convert each
+// chunk's K/V rows to float once per work item and take the float32 path.
+constexpr int kLanes = 16;  // rows per row group, keys per chunk
+
+// flatten: exp16 inlined here, where 17 calls per row group and chunk would otherwise cost calls.
+__attribute__((always_inline, flatten)) inline __m512 exp_ps(__m512 x) {
+  const f32x16 e = exp16(reinterpret_cast<const f32x16&>(x));
+  return reinterpret_cast<const __m512&>(e);
+}
+
+// s[t] (lane r) = q_r . k_t over the 16 key rows of k (row stride D).
+template <int D>
+inline void lane_scores(const float* qt, const float* k, __m512 (&s)[kLanes]) {
+  for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 q = _mm512_load_ps(qt + d * kLanes);
+#pragma GCC unroll 16
+    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(k[t * D + d]), s[t]);
+  }
+}
+
+// The frame of both P.V updates: per 16-element head-dim panel, the accumulator tile (16 x 16
+// rows) is loaded, rescaled, handed to `add` (the keys' contributions, in registers), stored.
+template <int D, typename Add>
+__attribute__((always_inline)) inline void update_output_tiles(float* ot, __m512 rescale, bool rescaled, Add add) {
+  for (int d0 = 0; d0 < D; d0 += kLanes) {
+    __m512 a[kLanes];
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {
+      a[j] = _mm512_load_ps(ot + (d0 + j) * kLanes);
+      if (rescaled) a[j] = _mm512_mul_ps(a[j], rescale);
+    }
+    add(a, d0);
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) _mm512_store_ps(ot + (d0 + j) * kLanes, a[j]);
+  }
+}
+
+// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the 16 value rows of v.
+template <int D>
+inline void lane_accumulate(const float* p, const float* v, float* ot, __m512 rescale, bool rescaled) {
+  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
+    for (int t = 0; t < kLanes; ++t) {
+      const __m512 pt = _mm512_load_ps(p + t * kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_set1_ps(v[t * D + d0 + j]), a[j]);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// lane_scores with the pair dot product: qt holds ([D/2][16]) each row's (d, d+1) pairs, the
+// broadcast is the key's pair; unscaled (the query stays bfloat16), so the caller scales.
+template <int D>
+inline void lane_scores_pairs(const uint32_t* qt, const c10::BFloat16* k, __m512 (&s)[kLanes]) {
+  const int* kp = reinterpret_cast<const int*>(k);
+  for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+  for (int i = 0; i < D / 2; ++i) {
+    const __m512bh q = (__m512bh)_mm512_load_si512(qt + i * kLanes);
+#pragma GCC unroll 16
+    for (int t = 0; t < kLanes; ++t)
+      s[t] = _mm512_dpbf16_ps(s[t], q, (__m512bh)_mm512_set1_epi32(kp[t * D / 2 + i]));
+  }
+}
+
+// lane_accumulate with the pair dot product over keys (2i, 2i+1): p[i] holds each row's
+// probability pair, v_pairs ([8][D]) the interleaved value rows (pair_rows).
+template <int D>
+inline void lane_accumulate_pairs(const __m512i* p, const uint32_t* v_pairs, float* ot, __m512 rescale,
+                                  bool rescaled) {
+  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
+    for (int i = 0; i < kLanes / 2; ++i) {
+      const __m512bh pi = (__m512bh)p[i];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], pi, (__m512bh)_mm512_set1_epi32(static_cast<int>(v_pairs[i * D + d0 + j])));
+    }
+  });
+}
+
+// v_pairs[i][d] = (v[2i][d], v[2i+1][d]) as a bfloat16 pair (the first in the low half, as in
+// the probability pairs), for the 16 rows of v.
+template <int D>
+inline void pair_rows(const c10::BFloat16* v, uint32_t* v_pairs) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int i = 0; i < kLanes / 2; ++i)
+    for (int c = 0; c < D; c += 32) {
+      const __m512i a = _mm512_loadu_si512(v + 2 * i * D + c), b = _mm512_loadu_si512(v + (2 * i + 1) * D + c);
+      _mm512_store_si512(v_pairs + i * D + c, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_store_si512(v_pairs + i * D + c + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+}
+
+// p[i] (lane r) = (s[2i] lane r, s[2i+1] lane r) rounded to a bfloat16 pair.
+inline void pair_probabilities(const __m512 (&s)[kLanes], __m512i* p) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int i = 0; i < kLanes / 2; ++i)
+    p[i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * i + 1], s[2 * i]));
+}
+#endif
+
+// Keys (or values) [kpos, kpos + n) of one kv head as 16 rows of D elements of C, rows past n
+// zero: the cache rows themselves when they are 16 rows of one block already in C (n = 16 never
+// reaches past the sequence), else a copy, converted to C, in buf. An 8-bit cache's rows are
+// dequantized into the copy: times their token's scale (int8: token_scales) or the layer's.
+template <typename C, int D, typename T>
+const C* chunk_rows(const T* cache, int64_t kpos, int64_t n, const CacheLayout& layout, const int32_t* block_table,
+                    int64_t kv_head, C* buf, [[maybe_unused]] const float* token_scales,
+                    [[maybe_unused]] float layer_scale) {
+  const int64_t B = layout.block_size;
+  if constexpr (std::is_same_v<C, T>)
+    if (n == kLanes && kpos % B + kLanes <= B) return cache + layout.row(block_table[kpos / B], kv_head, kpos % B);
+  for (int64_t t = 0; t < kLanes; ++t) {
+    C* dst = buf + t * D;
+    if (t >= n) {
+      std::memset(static_cast<void*>(dst), 0, D * sizeof(C));
+      continue;
+    }
+    const int64_t row = layout.row(block_table[(kpos + t) / B], kv_head, (kpos + t) % B);
+    const T* src = cache + row;
+    if constexpr (std::is_same_v<C, T>) {
+      std::memcpy(static_cast<void*>(dst), src, D * sizeof(T));
+    } else if constexpr (kQuantized<T>) {
+      const float scale = token_scales != nullptr ? token_scales[row / D] : layer_scale;
+      for (int64_t d = 0; d < D; d += kW) store(dst + d, load16(src + d) * scale);
+    } else {
+      for (int64_t d = 0; d < D; d += kW) store(dst + d, load16(src + d));  // C is float
+    }
+  }
+  return buf;
+}
+
+// One work item on the lane path (see above); same contract as prefill_work_item.
+template <typename Q, typename T, int D>
+void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token_stride, int64_t q_head_stride,
+                        int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
+                        const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out,
+                        int64_t num_heads, TileScratch& w, const KVScales& kv_scales) {
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  using C = std::conditional_t<kPairs, c10::BFloat16, float>;  // what K and V are multiplied as
+  constexpr int64_t kQtVectors = kPairs ? D / 2 : D;           // qt vectors per row group
+  const int64_t rows = item.num_tokens * group, h0 = item.kv_head * group;
+  const int64_t row_groups = (rows + kLanes - 1) / kLanes;
+  const int64_t first_pos = context + item.first_token, end = first_pos + item.num_tokens;
+
+  // Lane r of row group g is row g * 16 + r; the lanes past the last row repeat it (finite data,
+  // same position, never written out).
+  auto row_of = [&](int64_t g, int64_t r) { return std::min(g * kLanes + r, rows - 1); };
+  w.qt.resize(row_groups * kQtVectors);
+  w.ot.assign(row_groups * D, {});
+  w.p.resize(kLanes);
+  w.position.resize(row_groups);
+  w.max_score_lanes.resize(row_groups);
+  w.exp_sum_lanes.assign(row_groups, {});
+  auto vec = [](auto& v, int64_t i) { return reinterpret_cast<float*>(v.data() + i); };
+  for (int64_t g = 0; g < row_groups; ++g) {
+    alignas(64) int32_t pos[kLanes];
+    for (int64_t r = 0; r < kLanes; ++r) {
+      const int64_t row = row_of(g, r);
+      pos[r] = static_cast<int32_t>(first_pos + row / group);
+      const Q* src = query + (q_begin + item.first_token + row / group) * q_token_stride + (h0 + row % group) * q_head_stride;
+      if constexpr (kPairs) {
+        uint32_t* qt = reinterpret_cast<uint32_t*>(w.qt.data() + g * kQtVectors);
+        for (int64_t i = 0; i < D / 2; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, src + 2 * i, sizeof(pair));  // bfloat16 (2i, 2i+1), the first in the low half
+          qt[i * kLanes + r] = pair;
+        }
+      } else {
+        float* qt = reinterpret_cast<float*>(w.qt.data() + g * kQtVectors);
+        for (int64_t d = 0; d < D; ++d) qt[d * kLanes + r] = static_cast<float>(src[d]) * scale;
+      }
+    }
+    std::memcpy(w.position.data() + g, pos, sizeof(pos));
+    _mm512_store_ps(vec(w.max_score_lanes, g), _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  }
+
+  constexpr int64_t kChunkVectors = kLanes * D * sizeof(C) / sizeof(__m512);
+  w.k.resize(kChunkVectors);
+  w.v.resize(kChunkVectors);
+  if (kPairs) w.v_pairs.resize(D / 2);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t kpos = 0; kpos < end; kpos += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, end - kpos);
+    const C* k = chunk_rows<C, D>(key_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.k.data()),
+                                  kv_scales.key, kv_scales.key_layer);
+    const C* v = chunk_rows<C, D>(value_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.v.data()),
+                                  kv_scales.value, kv_scales.value_layer);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) pair_rows<D>(v, reinterpret_cast<uint32_t*>(w.v_pairs.data()));
+#endif
+    // The next chunk's K/V rows are asked for a share per row group: the blocks are scattered, so
+    // no hardware prefetcher sees them coming, and a steady trickle keeps the FMAs fed.
+    const int64_t next = kpos + kLanes, next_rows = std::min<int64_t>(kLanes, end - next);
+    const int64_t first_live = std::max<int64_t>(0, (kpos - first_pos) * group / kLanes);
+    const int64_t live_groups = row_groups - first_live;
+    int64_t prefetched = 0;
+    for (int64_t g = 0; g < row_groups; ++g) {
+      // Positions grow with the row: the group's first and last rows bound what it sees.
+      const int64_t lowest = first_pos + g * kLanes / group, highest = first_pos + row_of(g, kLanes - 1) / group;
+      if (kpos > highest) continue;  // the causal mask hides this chunk from every row
+      for (const int64_t upto = next_rows * (g - first_live + 1) / std::max<int64_t>(1, live_groups); prefetched < upto;
+           ++prefetched) {
+        const int64_t pos = next + prefetched, row = layout.row(block_table[pos / layout.block_size], item.kv_head,
+                                                                pos % layout.block_size);
+        prefetch(reinterpret_cast<const char*>(key_cache + row), D * sizeof(T));
+        prefetch(reinterpret_cast<const char*>(value_cache + row), D * sizeof(T));
+      }
+      __m512 s[kLanes];
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        lane_scores_pairs<D>(reinterpret_cast<const uint32_t*>(w.qt.data() + g * kQtVectors), k, s);
+        for (int t = 0; t < kLanes; ++t) s[t] = _mm512_mul_ps(s[t], _mm512_set1_ps(scale));
+#endif
+      } else {
+        lane_scores<D>(reinterpret_cast<const float*>(w.qt.data() + g * kQtVectors), k, s);
+      }
+      if (kpos + kLanes - 1 > lowest || n < kLanes) {
+        // Key kpos + t is visible to the lanes at or after it, and only if it exists.
+        for (int t = 0; t < kLanes; ++t) {
+          const __mmask16 visible = t < n ? _mm512_cmp_epi32_mask(_mm512_load_si512(w.position.data() + g),
+                                                                   _mm512_set1_epi32(static_cast<int>(kpos + t)), _MM_CMPINT_NLT)
+                                          : 0;
+          s[t] = _mm512_mask_mov_ps(neg_inf, visible, s[t]);
+        }
+      }
+      // Online softmax, lane-wise. Every lane sees key 0 in the first chunk, so the running max
+      // is finite from then on and a chunk a lane sees nothing of leaves it as it was.
+      __m512 chunk_max = s[0];
+      for (int t = 1; t < kLanes; ++t) chunk_max = _mm512_max_ps(chunk_max, s[t]);
+      const __m512 old_max = _mm512_load_ps(vec(w.max_score_lanes, g));
+      const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
+      const __m512 rescale = exp_ps(_mm512_sub_ps(old_max, new_max));
+      const bool rescaled = _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
+      _mm512_store_ps(vec(w.max_score_lanes, g), new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < kLanes; ++t) {
+        s[t] = exp_ps(_mm512_sub_ps(s[t], new_max));
+        sum = _mm512_add_ps(sum, s[t]);
+      }
+      _mm512_store_ps(vec(w.exp_sum_lanes, g), _mm512_fmadd_ps(_mm512_load_ps(vec(w.exp_sum_lanes, g)), rescale, sum));
+      float* ot = reinterpret_cast<float*>(w.ot.data() + g * D);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        __m512i p[kLanes / 2];
+        pair_probabilities(s, p);
+        lane_accumulate_pairs<D>(p, reinterpret_cast<const uint32_t*>(w.v_pairs.data()), ot, rescale, rescaled);
+#endif
+      } else {
+        for (int t = 0; t < kLanes; ++t) _mm512_store_ps(vec(w.p, t), s[t]);
+        lane_accumulate<D>(vec(w.p, 0), v, ot, rescale, rescaled);
+      }
+    }
+  }
+  // Every lane saw key 0, so its sum is positive.
+  for (int64_t g = 0; g < row_groups; ++g) {
+    alignas(64) float inv[kLanes];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(vec(w.exp_sum_lanes, g))));
+    const float* ot = reinterpret_cast<const float*>(w.ot.data() + g * D);
+    for (int64_t r = 0; r < kLanes && g * kLanes + r < rows; ++r) {
+      const int64_t row = g * kLanes + r;
+      Q* dst = out + ((q_begin + item.first_token + row / group) * num_heads + h0 + row % group) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(ot[d * kLanes + r] * inv[r]);
+    }
+  }
+}
+
+// The lane path for this item, if it has one (head_dim 64, 128 or 256, and enough rows to fill
+// the lanes); false: the caller takes the generic path.
+template <typename Q, typename T>
+bool prefill_lanes(const PrefillItem& item, const Q* query, int64_t q_token_stride, int64_t q_head_stride,
+                   int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
+                   const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out, int64_t num_heads,
+                   TileScratch& w, const KVScales& kv_scales) {
+  if (item.num_tokens * group < kLanes) return false;
+  auto run = [&](auto head_dim) {
+    prefill_item_lanes<Q, T, decltype(head_dim)::value>(item, query, q_token_stride, q_head_stride, q_begin, context,
+                                                        scale, key_cache, value_cache, layout, block_table, group,
+                                                        out, num_heads, w, kv_scales);
+    return true;
+  };
+  switch (layout.head_dim) {
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    case 256: return run(std::integral_constant<int, 256>{});
+    default: return false;
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace minipaged::MINIPAGED_CPU_ISA
