@@ -72,7 +72,7 @@ def small_engine(**kwargs):
 # every place a step can fail: attribute paths from the engine instance
 FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "step_runner.sampler.__call__",
                   "step_runner.record_prompt_logprobs", "step_runner.accept", "scheduler.finish", "step_runner.fork",
-                  "request_table.complete"]
+                  "request_table.complete", "request_table.new_sequence"]
 
 
 def attribute(obj, path):
@@ -183,6 +183,36 @@ def test_a_request_that_always_fails_ends_with_error_and_the_others_equal_their_
     stats = engine.stats()
     assert stats["errored"] == 1 and stats["finished"] == 4
     assert_all_blocks_free(engine)
+
+
+def test_a_request_whose_sequence_cannot_be_made_ends_with_error_and_the_others_run(monkeypatch):
+    """Taking requests in at a step boundary: one whose sequence raises (say its detokenizer on the
+    prompt) ends at once with "error"; the requests queued after it are not lost."""
+    prompts = prompts_of([6, 9, 4, 12], seed=23)
+    engine = LLMEngine(engine_model(), num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    make = engine.request_table.new_sequence
+
+    def fails_for_bad(req, index, token_ids):
+        if req.request_id == "bad":
+            raise RuntimeError("planted: this prompt cannot be detokenized")
+        return make(req, index, token_ids)
+
+    monkeypatch.setattr(engine.request_table, "new_sequence", fails_for_bad)
+    engine.add_request("r0", prompts[0], SamplingParams(max_tokens=5))
+    engine.add_request("bad", prompts[1], SamplingParams(max_tokens=5, n=2))
+    for i, p in enumerate(prompts[2:], 2):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=5))
+    final = drain(engine)  # no step raises: the failure is the request's own
+    assert final["bad"].finished and [o.finish_reason for o in final["bad"].outputs] == ["error", "error"]
+    assert [o.token_ids for o in final["bad"].outputs] == [[], []]
+    for i in (0, 2, 3):
+        assert final[f"r{i}"].outputs[0].token_ids == reference(prompts[i], 5), i
+    stats = engine.stats()
+    assert stats["errored"] == 1 and stats["finished"] == 3 and stats["failed_steps"] == 0
+    assert_all_blocks_free(engine)
+    engine.add_request("bad", prompts[1], SamplingParams(max_tokens=5))  # its id is free again
+    monkeypatch.undo()
+    assert drain(engine)["bad"].outputs[0].token_ids == reference(prompts[1], 5)
 
 
 # ---------------------------------------------------------------- progress

@@ -125,6 +125,12 @@ class FrontDoor:
             commands, self._commands = self._commands, []
         return commands
 
+    def requeue(self, commands: list[tuple[str, object]]) -> None:
+        """Commands taken but not applied (a step boundary interrupted): back to the queue's front,
+        in order."""
+        with self._lock:
+            self._commands[:0] = commands
+
     def keep_for_step(self, output: RequestOutput) -> None:
         """An output generate() received for a request not its own: the next step() returns it."""
         self._stash.append(output)

@@ -245,7 +245,11 @@ class LLMEngine:
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
         with self.step_lock:
-            self.request_table.apply(self._door.take_commands())
+            try:
+                self.request_table.apply(self._door.take_commands(), self._door.requeue)
+            except BaseException:
+                self.stats_log.counters["failed_steps"] += 1
+                raise
             changed = self.step_runner.run(self.run_model)  # a failed step is rolled back and re-raised
             ended = self.request_table.take_ended()  # after a failed step, they wait for the next one
             return self._door.without_dropped([req.output() for req in ended + changed])

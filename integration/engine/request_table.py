@@ -9,12 +9,15 @@ the next step's outputs). Ending a request frees its blocks at once.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from .sequence import Request, Sequence, Status
 from .stats import StatsLog
 
 __all__ = ["RequestTable"]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestTable:
@@ -26,18 +29,37 @@ class RequestTable:
         self.unfinished: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step's commit: reported by the next step
 
-    def apply(self, commands) -> None:
+    def apply(self, commands, requeue) -> None:
         """The front door's commands, in order: ``("add", Request)`` or ``("abort", request_id)``
-        (an id not in the table is ignored: it ended meanwhile)."""
-        for kind, item in commands:
-            if kind == "add":
-                req = item
-                req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
-                req.seqs.append(self.new_sequence(req, 0, list(req.prompt_token_ids)))
-                self.unfinished[req.request_id] = req
-                self.scheduler.add(req.seqs[0])
-            elif item in self.unfinished:
-                self.end(self.unfinished[item], "abort")
+        (an id not in the table is ignored: it ended meanwhile). A request whose sequence cannot be
+        made (its detokenizer raised on the prompt) ends at once with finish_reason "error"; the
+        others go on. Whatever else raises here (Ctrl-C) hands the command it interrupted and those
+        after it back to the queue (``requeue``) first, so that no request is lost with its id
+        still taken; an error in an abort drops that abort alone (its request runs on)."""
+        for i, (kind, item) in enumerate(commands):
+            try:
+                if kind == "add":
+                    self._add(item)
+                elif item in self.unfinished:
+                    self.end(self.unfinished[item], "abort")
+            except BaseException as err:
+                requeue(commands[i + 1:] if isinstance(err, Exception) else commands[i:])
+                raise
+
+    def _add(self, req: Request) -> None:
+        try:
+            seq = self.new_sequence(req, 0, list(req.prompt_token_ids))
+            failed = False
+        except Exception:  # noqa: BLE001 - this request's own fault: it ends, the engine goes on
+            logger.exception("request %r: its sequence could not be made; it ends with finish_reason 'error'",
+                             req.request_id)
+            seq, failed = Sequence(f"{req.request_id}#0", req, 0, list(req.prompt_token_ids)), True
+        req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
+        req.seqs.append(seq)
+        self.unfinished[req.request_id] = req
+        self.scheduler.add(seq)
+        if failed:
+            self.end(req, "error")
 
     def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         """Completion ``index`` of ``req``, holding ``token_ids`` (the prompt, or a parent's tokens)."""
