@@ -270,3 +270,44 @@ def test_engine_text_and_stop_strings(tokenizer):
         assert out.text == plain.text[:first + len(stop) if include else first]
     with pytest.raises(ValueError, match="tokenizer"):
         LLMEngine(model, num_blocks=64, block_size=4).add_request("x", prompt, SamplingParams(stop="a"))
+
+
+def test_a_detokenizer_that_raises_at_finish_still_lets_its_request_end(tokenizer, monkeypatch):
+    """finish() raising (the tokenizer's decode failing on the last tokens) must not leave a
+    request half-ended, its blocks freed but its id taken for good: an aborted one ends with
+    "abort"; one that reaches max_tokens fails its step (rolled back) until it ends with "error".
+    The engine then runs a request as before."""
+    from minipaged_ops.integration import LLMEngine, SamplingParams
+    from minipaged_ops.integration.engine.step_runner import MAX_FAILURES
+    from minipaged_ops.tiny import tiny_model
+
+    model = tiny_model("qwen3", seed=4, vocab=len(tokenizer))
+    engine = LLMEngine(model, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    prompt = tokenizer.encode("Hello, world! The cache is", add_special_tokens=False)
+    expected = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+
+    def broken_finish(self):
+        raise RuntimeError("planted: decode failed")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "finish", broken_finish)
+    engine.add_request("aborted", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()  # "aborted" runs
+    engine.abort_request("aborted")
+    engine.add_request("ends", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    final, failures = {}, []
+    for _ in range(30):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError as e:
+            failures.append(str(e))
+    assert not engine.has_unfinished_requests(), (final.keys(), failures)
+    assert [o.finish_reason for o in final["aborted"].outputs] == ["abort"]
+    assert [o.finish_reason for o in final["ends"].outputs] == ["error"]
+    assert failures == ["planted: decode failed"] * MAX_FAILURES
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.sequence_ids()
+    monkeypatch.undo()
+    again = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (again.token_ids, again.text) == (expected.token_ids, expected.text)

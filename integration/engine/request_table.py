@@ -99,10 +99,17 @@ class RequestTable:
 
     def end(self, req: Request, reason: str) -> None:
         """End a request outside a step's commit (abort, error): free its blocks now, report it
-        with the next step's outputs."""
+        with the next step's outputs. It ends even if a detokenizer cannot finish its text (else
+        it would stay half-ended, blocks freed but id taken, for good)."""
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
-                self.finish(seq, reason)
+                self.scheduler.finish(seq, reason)
+                try:
+                    if seq.detokenizer is not None:
+                        seq.detokenizer.finish()
+                except Exception:  # noqa: BLE001 - its text stays what was released
+                    logger.exception("request %r: its text could not be finished; it ends all the same",
+                                     req.request_id)
         req.metrics.finished_time = time.perf_counter()
         del self.unfinished[req.request_id]
         self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs),
