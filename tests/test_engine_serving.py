@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from minipaged_ops.integration import LLMEngine, SamplingParams  # noqa: E402
-from minipaged_ops.integration.engine import step_runner  # noqa: E402
+from minipaged_ops.integration.engine import llm_engine, step_runner  # noqa: E402
 from test_engine import VOCAB, assert_all_blocks_free, engine_model, prompts_of, reference  # noqa: E402
 
 
@@ -316,6 +316,43 @@ def test_generate_keeps_other_requests_outputs_for_the_next_step():
     kept = [o for o in engine.step() if o.request_id == "bg"]
     assert kept and kept[-1].finished and kept[-1].outputs[0].token_ids == reference(bg, 3)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fails_at", ["bar start", "step", "bar close"])
+def test_a_generate_that_raises_leaves_no_request_running_and_no_id_taken(fails_at, monkeypatch):
+    """generate() raising after its prompts are queued: its progress bar failing to start (stderr
+    closed, Ctrl-C while tqdm imports), a step interrupted, or the bar failing to close once every
+    output is in. Its requests are aborted or released, never left running for a step() that
+    never asked for them, or holding their ids for good; the engine then runs as before."""
+    engine = LLMEngine(engine_model(), num_blocks=64, block_size=4)
+    prompts = prompts_of([5, 7], seed=91)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def close(self):
+            if fails_at == "bar close":
+                raise ValueError("planted: I/O operation on closed file")
+
+    def progress(total, enabled):
+        if fails_at == "bar start":
+            raise KeyboardInterrupt("planted")
+        return Bar()
+
+    monkeypatch.setattr(llm_engine, "_progress", progress)
+    if fails_at == "step":
+        plant_one_failure(monkeypatch, engine, "run_model", 2)
+    with pytest.raises((KeyboardInterrupt, ValueError), match="planted"):
+        engine.generate(prompts, SamplingParams(max_tokens=4))
+    monkeypatch.undo()
+    assert drain(engine, max_steps=50) == {}  # nothing reported to a step() that never asked
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+    stats = engine.stats()
+    assert (stats["finished"], stats["aborted"]) == ((2, 0) if fails_at == "bar close" else (0, 2))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference(p, 4) for p in prompts]
 
 
 def test_construction_and_request_errors():

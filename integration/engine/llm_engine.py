@@ -203,11 +203,10 @@ class LLMEngine:
             raise ValueError(f"generate: {len(params)} SamplingParams for {len(prompts)} prompts")
         base = f"generate-{self._door.next_arrival()}-"
         requests = [build_request(self, f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids, results, bar = [r.request_id for r in requests], {}, None
         self._door.queue(requests)
-        ids = [r.request_id for r in requests]
-        results: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids), use_tqdm)
-        try:
+        try:  # from here on, whatever raises (the bar too) leaves none of them running or holding its id
+            bar = _progress(len(ids), use_tqdm)
             while len(results) < len(ids):
                 for out in self._step():
                     if out.request_id not in results and out.request_id in ids:
@@ -217,13 +216,13 @@ class LLMEngine:
                                 bar.update(1)
                     else:
                         self._door.keep_for_step(out)
+            self._door.release(ids)
         except BaseException:  # the unfinished ones are aborted at the next step and never reported
             self._door.abandon(ids, results)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        self._door.release(ids)
         return [results[i] for i in ids]
 
     def stats(self, window_s: Optional[float] = None) -> dict:
