@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from minipaged_ops.integration import LLMEngine, SamplingParams  # noqa: E402
-from minipaged_ops.integration.engine.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
+from minipaged_ops.integration.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream  # noqa: E402
 from minipaged_ops.tiny import tiny_model  # noqa: E402
 
 LIMIT = 60  # seconds any one wait may take
@@ -241,5 +241,57 @@ def test_a_dead_engine_thread_fails_every_waiter_and_health():
         with pytest.raises(EngineDeadError, match="the device fell off"):
             engine.check_health()
         assert not engine.is_running
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("planted", [RuntimeError, KeyboardInterrupt])
+def test_a_piece_that_cannot_be_made_wakes_every_waiter(planted, monkeypatch):
+    """The engine thread turning one request's output into a piece raises, in the step where
+    another request ends (aborted: reported first). That request still gets its last piece: it was
+    taken off the engine's books before the failure, and waited for good. An Exception is that
+    request's alone: its consumer raises it, its request is aborted, the engine runs on; a
+    BaseException stops the thread, and every waiter gets EngineDeadError."""
+    real, seen = RequestStream.delta, {}
+
+    def delta(self, out):
+        if self.request_id == "victim" and out.finished:
+            seen["victim ended"] = True
+        elif self.request_id == "bad" and seen.pop("victim ended", False):
+            raise planted("planted: no piece")
+        return real(self, out)
+
+    monkeypatch.setattr(RequestStream, "delta", delta)
+    engine = AsyncLLMEngine(make_engine(), stat_loggers=[Finishes()])
+
+    async def consume(stream, started):
+        reasons = []
+        try:
+            async for piece in stream:
+                started.set()
+                reasons += [c.finish_reason for c in piece.outputs if c.finish_reason]
+        except Exception as e:  # noqa: BLE001 - what the consumer saw
+            return e
+        return reasons
+
+    async def main():
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [await engine.add_request(rid, PROMPTS[1], params) for rid in ("victim", "bad")]
+        started = [asyncio.Event(), asyncio.Event()]
+        waiters = [asyncio.ensure_future(consume(s, e)) for s, e in zip(streams, started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 10)
+        await engine.abort("victim")
+        return await asyncio.wait_for(asyncio.gather(*waiters), 10)  # main: the victim waited for good
+
+    try:
+        victim, bad = run(main())
+        if planted is RuntimeError:
+            assert victim == ["abort"]
+            assert isinstance(bad, RuntimeError) and "planted" in str(bad)
+            run(wait_aborted(engine, "bad"))
+            engine.check_health()
+        else:
+            assert victim == ["abort"] or isinstance(victim, EngineDeadError), victim
+            assert isinstance(bad, EngineDeadError) and isinstance(bad.__cause__, KeyboardInterrupt)
     finally:
         engine.shutdown()

@@ -196,26 +196,34 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs) -> None:
         # one wake-up per event loop and step, not one per request: each call_soon_threadsafe
-        # writes to the loop's self-pipe, and a step of a full batch has a piece for every request
+        # writes to the loop's self-pipe, and a step of a full batch has a piece for every request.
+        # A stream leaves _streams only once its last piece is posted: if this thread dies before,
+        # _fail_everyone still finds it and wakes its consumer.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
-                del self._streams[out.request_id]
-            piece = stream.delta(out)
+            try:
+                piece, last = stream.delta(out), out.finished
+            except Exception as e:  # noqa: BLE001 - this request's fault: its consumer raises it, the rest go on
+                logger.exception("request %r: its piece could not be made; it is aborted", out.request_id)
+                piece, last = e, True
+                if not out.finished:
+                    self.engine.abort_request(out.request_id)
             if piece is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, piece, out.finished))
+                by_loop.setdefault(stream.loop, []).append((stream, piece, last))
         for loop, pieces in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, pieces)
             except RuntimeError:  # the consumers' event loop is closed: nobody will read them
-                for stream, _, finished in pieces:
-                    if self._streams.get(stream.request_id) is stream:
-                        del self._streams[stream.request_id]
-                    if not finished:
+                for stream, _, last in pieces:
+                    if not last:
                         self.engine.abort_request(stream.request_id)
+                pieces = [(stream, None, True) for stream, _, _ in pieces]
+            for stream, _, last in pieces:
+                if last and self._streams.get(stream.request_id) is stream:
+                    del self._streams[stream.request_id]
 
     def _fail_everyone(self) -> None:
         with self._wake:
