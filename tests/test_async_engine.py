@@ -295,3 +295,47 @@ def test_a_piece_that_cannot_be_made_wakes_every_waiter(planted, monkeypatch):
             assert isinstance(bad, EngineDeadError) and isinstance(bad.__cause__, KeyboardInterrupt)
     finally:
         engine.shutdown()
+
+
+def test_a_command_that_raises_a_base_exception_fails_the_commands_queued_after_it():
+    """The engine thread runs the commands queued during a step one by one; one that raises a
+    BaseException (an abort here) stops the thread, and the commands after it in the same batch
+    fail with EngineDeadError instead of leaving their callers waiting for good."""
+    llm = make_engine()
+    blocked, release = threading.Event(), threading.Event()
+
+    class Gate:  # a stat logger: holds the engine thread after a step, once armed
+        armed = False
+
+        def record(self, outputs, now):
+            if self.armed:
+                self.armed = False
+                blocked.set()
+                release.wait(LIMIT)
+
+    def abort_request(request_id):
+        raise KeyboardInterrupt("planted in an abort")
+
+    llm.abort_request = abort_request
+    gate = Gate()
+    engine = AsyncLLMEngine(llm, stat_loggers=[gate])
+
+    async def main():
+        stream = await engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()  # running
+        gate.armed = True
+        assert await asyncio.to_thread(blocked.wait, 10)
+        stream.close()  # queues the abort
+        stats = asyncio.ensure_future(engine.stats())  # queued after it, in the same batch
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(stats, 10)  # main: lost with the rest of the batch, waited for good
+
+    try:
+        run(main())
+        with pytest.raises(EngineDeadError, match="planted in an abort"):
+            engine.check_health()
+    finally:
+        release.set()
+        engine.shutdown()

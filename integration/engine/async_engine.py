@@ -156,10 +156,9 @@ class AsyncLLMEngine:
                         self._wake.wait()
                     if self._stopping:
                         break
-                    commands = list(self._commands)
-                    self._commands.clear()
-                for command in commands:
-                    command.run()
+                    batch = len(self._commands)
+                for _ in range(batch):  # each left queued until it runs: if one raises, _fail_everyone fails the rest
+                    self._commands.popleft().run()  # (a deque's popleft and append are atomic)
                 if not self.engine.has_unfinished_requests():
                     continue
                 try:
@@ -195,10 +194,9 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_id)
 
     def _deliver(self, outputs) -> None:
-        # one wake-up per event loop and step, not one per request: each call_soon_threadsafe
-        # writes to the loop's self-pipe, and a step of a full batch has a piece for every request.
-        # A stream leaves _streams only once its last piece is posted: if this thread dies before,
-        # _fail_everyone still finds it and wakes its consumer.
+        # one wake-up per event loop and step (each call_soon_threadsafe writes to the loop's
+        # self-pipe). A stream leaves _streams once its last piece is posted: if this thread dies
+        # before, _fail_everyone still finds it and wakes its consumer.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -217,13 +215,11 @@ class AsyncLLMEngine:
             try:
                 loop.call_soon_threadsafe(_put_all, pieces)
             except RuntimeError:  # the consumers' event loop is closed: nobody will read them
-                for stream, _, last in pieces:
-                    if not last:
-                        self.engine.abort_request(stream.request_id)
+                for stream in [stream for stream, _, last in pieces if not last]:
+                    self.engine.abort_request(stream.request_id)
                 pieces = [(stream, None, True) for stream, _, _ in pieces]
-            for stream, _, last in pieces:
-                if last and self._streams.get(stream.request_id) is stream:
-                    del self._streams[stream.request_id]
+            for stream in [stream for stream, _, last in pieces if last]:
+                self._streams.pop(stream.request_id, None)
 
     def _fail_everyone(self) -> None:
         with self._wake:
