@@ -339,3 +339,35 @@ def test_a_command_that_raises_a_base_exception_fails_the_commands_queued_after_
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_shutdown_wakes_every_waiter_and_aborts_their_requests_in_the_engine():
+    """shutdown() while requests stream: every consumer raises EngineDeadError, and since nobody
+    will read them, their requests are aborted in the LLMEngine (which outlives the thread and may
+    be stepped again): its next step ends them and frees every block and id."""
+    llm = make_engine()
+    engine = AsyncLLMEngine(llm)
+
+    async def consume(stream):
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError as e:
+            return e
+
+    async def main():
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [await engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+        await asyncio.gather(*(s.__anext__() for s in streams))  # all running
+        waiters = [asyncio.ensure_future(consume(s)) for s in streams]
+        await asyncio.to_thread(engine.shutdown)
+        return await asyncio.gather(*waiters)
+
+    try:
+        assert all(isinstance(e, EngineDeadError) for e in run(main()))
+    finally:
+        engine.shutdown()
+    assert not engine.is_running and llm.has_unfinished_requests()
+    ended = {o.request_id: [c.finish_reason for c in o.outputs] for o in llm.step() if o.finished}
+    assert ended == {f"r{i}": ["abort"] for i in range(len(PROMPTS))}  # main: they ran on, 400 tokens each
+    assert not llm.has_unfinished_requests() and llm.block_manager.usage()["blocks_used"] == 0

@@ -9,8 +9,8 @@ the thread runs between two steps, so the engine is never entered from two threa
 sleeps on a condition while there is nothing to do. Each step's outputs are turned into pieces —
 what is new since the last piece of that request — and handed to the waiting coroutine's event
 loop. Leaving the ``async for`` early (a client gone, a task cancelled) aborts the request, which
-frees its blocks. If the thread dies, every waiter raises :class:`EngineDeadError` and
-:meth:`check_health` does too: nothing hangs.
+frees its blocks. If the thread stops (it died, or :meth:`shutdown`), every waiter raises
+:class:`EngineDeadError`, its request is aborted, and :meth:`check_health` raises: nothing hangs.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class AsyncLLMEngine:
         return await self._call(lambda: self.engine.stats() if window_s is None else self.engine.stats(window_s=window_s))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; waiters get EngineDeadError."""
+        """Stop the thread after its current step; waiters get EngineDeadError and their requests
+        are aborted (ended by the LLMEngine's next step, if it is stepped again)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -194,9 +195,8 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_id)
 
     def _deliver(self, outputs) -> None:
-        # one wake-up per event loop and step (each call_soon_threadsafe writes to the loop's
-        # self-pipe). A stream leaves _streams once its last piece is posted: if this thread dies
-        # before, _fail_everyone still finds it and wakes its consumer.
+        # one wake-up per event loop and step (call_soon_threadsafe writes to the loop's self-pipe);
+        # a stream leaves _streams once its last piece is posted (else _fail_everyone wakes it)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -234,6 +234,8 @@ class AsyncLLMEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
             except RuntimeError:  # that loop is closed: nobody waits there
                 pass
+        for request_id in list(self._streams):  # nobody reads them; the LLMEngine's next step (if any) ends them
+            self.engine.abort_request(request_id)
         self._streams.clear()
 
 
