@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from minipaged_ops import tiny  # noqa: E402
 from minipaged_ops.integration import LLMEngine  # noqa: E402
-from minipaged_ops.integration.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from minipaged_ops.integration.engine.async_engine import AsyncLLMEngine, RequestStream  # noqa: E402
 from minipaged_ops.integration import SamplingParams  # noqa: E402
 from minipaged_ops.integration.server import build_app  # noqa: E402
 
@@ -408,6 +408,33 @@ def test_a_client_that_disconnects_aborts_its_request_and_frees_every_block(serv
     after = wait_idle(url, until=lambda m: m.get(aborted, 0) - before.get(aborted, 0) == 1)
     generated = after[("minipaged:generation_tokens_total", ())] - before[("minipaged:generation_tokens_total", ())]
     assert 0 < generated < 1000 - 5
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_piece_cannot_be_made_fails_alone_with_an_error(server, client, hf, monkeypatch, stream):
+    """The engine thread failing to make one request's piece (planted after its third token): that
+    response ends with an OpenAI error (streamed: an error event, then [DONE]; whole: HTTP 500),
+    its request is aborted and its blocks freed, and the server serves the next one."""
+    url, _ = server
+    bad = hf[1].encode("The cache is broken")
+    real = RequestStream.delta
+
+    def delta(self, out):
+        if out.prompt_token_ids == bad and len(out.outputs[0].token_ids) >= 3:
+            raise RuntimeError("planted: no piece")
+        return real(self, out)
+
+    monkeypatch.setattr(RequestStream, "delta", delta)
+    before = wait_idle(url)
+    with pytest.raises(openai.APIError, match="planted: no piece"):
+        response = client.completions.create(model=NAME, prompt="The cache is broken", max_tokens=200, stream=stream,
+                                             temperature=0, extra_body={"ignore_eos": True})
+        for _ in zip(range(1000), response if stream else ()):
+            pass
+    aborted = ("minipaged:request_success_total", (("finished_reason", "abort"),))
+    wait_idle(url, until=lambda m: m.get(aborted, 0) - before.get(aborted, 0) == 1)
+    assert call(url, "/health")[0] == 200
+    assert client.completions.create(model=NAME, prompt="hi", max_tokens=3).usage.completion_tokens == 3
 
 
 # ---------------------------------------------------------------------------------- the other endpoints

@@ -65,6 +65,10 @@ def build_app(engine, served_model_name: str, *, model_path: Optional[str] = Non
     async def engine_refused(_, e: ValueError):
         return JSONResponse(error_body(str(e)), status_code=400)
 
+    @app.exception_handler(Exception)  # anything else (a piece the engine could not make): OpenAI's shape
+    async def internal_error(_, e: Exception):
+        return JSONResponse(error_body(str(e) or type(e).__name__, kind="internal_server_error"), status_code=500)
+
     async def respond(raw: Request, formatter: Formatter, prompts, params, request):
         streams = await serving.start(prompts, params, request.priority, formatter.id)  # refusals: HTTP errors
         prompt_tokens = sum(len(p) for p in prompts)

@@ -5,11 +5,14 @@ server-sent events (``data: {...}`` chunks, then the usage chunk with empty ``ch
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from .protocol import error_body
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,8 +144,8 @@ async def collect(formatter: Formatter, pieces: AsyncIterator) -> list[Choice]:
 
 async def stream_events(formatter: Formatter, pieces: AsyncIterator, num_choices: int, prompt_tokens: int,
                         include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of a streamed response from ``Serving.run``'s pieces; an engine failure
-    mid-stream becomes an error event before ``[DONE]``."""
+    """The SSE body of a streamed response from :func:`.serving.merge`'s pieces; a failure mid-stream
+    (the engine's, or this request's alone) becomes an error event before ``[DONE]``."""
     from ..engine.async_engine import EngineDeadError
 
     sent_chars = [0] * num_choices  # per choice: text sent so far (for text_offset)
@@ -163,8 +166,10 @@ async def stream_events(formatter: Formatter, pieces: AsyncIterator, num_choices
                 yield formatter.chunk(index, text, _entries(c), c.finish_reason, sent_chars[index],
                                       include_usage=include_usage)
                 sent_chars[index] += len(c.text)
-    except (EngineDeadError, GenerationError) as e:
-        yield sse(error_body(str(e), kind="internal_server_error"))
+    except Exception as e:  # noqa: BLE001 - the response has begun: an error event, not a cut connection
+        if not isinstance(e, (EngineDeadError, GenerationError)):  # (a piece the engine could not make, say)
+            logger.exception("streamed response %s failed", formatter.id)
+        yield sse(error_body(str(e) or type(e).__name__, kind="internal_server_error"))
         yield DONE
         return
     finally:
