@@ -318,18 +318,19 @@ def test_generate_keeps_other_requests_outputs_for_the_next_step():
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("fails_at", ["bar start", "step", "bar close"])
+@pytest.mark.parametrize("fails_at", ["bar start", "step", "bar update", "bar close"])
 def test_a_generate_that_raises_leaves_no_request_running_and_no_id_taken(fails_at, monkeypatch):
     """generate() raising after its prompts are queued: its progress bar failing to start (stderr
-    closed, Ctrl-C while tqdm imports), a step interrupted, or the bar failing to close once every
-    output is in. Its requests are aborted or released, never left running for a step() that
+    closed, Ctrl-C while tqdm imports), a step interrupted, the bar failing to count the first of
+    two prompts that finish in the same step, or to close once every output is in. Its requests are aborted or released, never left running for a step() that
     never asked for them, or holding their ids for good; the engine then runs as before."""
     engine = LLMEngine(engine_model(), num_blocks=64, block_size=4)
     prompts = prompts_of([5, 7], seed=91)
 
     class Bar:
         def update(self, n):
-            pass
+            if fails_at == "bar update":
+                raise ValueError("planted: I/O operation on closed file")
 
         def close(self):
             if fails_at == "bar close":
@@ -350,7 +351,7 @@ def test_a_generate_that_raises_leaves_no_request_running_and_no_id_taken(fails_
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
     stats = engine.stats()
-    assert (stats["finished"], stats["aborted"]) == ((2, 0) if fails_at == "bar close" else (0, 2))
+    assert (stats["finished"], stats["aborted"]) == ((2, 0) if fails_at in ("bar update", "bar close") else (0, 2))
     outs = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference(p, 4) for p in prompts]
 

@@ -208,14 +208,15 @@ class LLMEngine:
         try:  # from here on, whatever raises (the bar too) leaves none of them running or holding its id
             bar = _progress(len(ids), use_tqdm)
             while len(results) < len(ids):
-                for out in self._step():
+                done = len(results)
+                for out in self._step():  # all taken in before the bar moves (it may raise)
                     if out.request_id not in results and out.request_id in ids:
                         if out.finished:
                             results[out.request_id] = out
-                            if bar is not None:
-                                bar.update(1)
                     else:
                         self._door.keep_for_step(out)
+                if bar is not None and len(results) > done:
+                    bar.update(len(results) - done)
             self._door.release(ids)
         except BaseException:  # the unfinished ones are aborted at the next step and never reported
             self._door.abandon(ids, results)
