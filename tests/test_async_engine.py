@@ -371,3 +371,26 @@ def test_shutdown_wakes_every_waiter_and_aborts_their_requests_in_the_engine():
     ended = {o.request_id: [c.finish_reason for c in o.outputs] for o in llm.step() if o.finished}
     assert ended == {f"r{i}": ["abort"] for i in range(len(PROMPTS))}  # main: they ran on, 400 tokens each
     assert not llm.has_unfinished_requests() and llm.block_manager.usage()["blocks_used"] == 0
+
+
+def test_closing_a_stream_ends_a_reader_waiting_on_it(engine):
+    """stream.close() from one task (a timeout, say) while another reads the stream: the request
+    is aborted, and the reader's loop ends instead of waiting for a piece that never comes."""
+    async def main():
+        stream = await engine.add_request("closed", PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+        got = []
+
+        async def read():
+            async for piece in stream:
+                got.append(piece)
+
+        reader = asyncio.ensure_future(read())
+        while not got:
+            await asyncio.sleep(0.01)
+        stream.close()
+        await asyncio.wait_for(reader, 10)  # main: it waited for good
+        assert not any(p.finished for p in got)
+        await wait_aborted(engine, "closed")
+        assert [p async for p in stream] == []  # and a loop started after close() ends at once
+
+    run(main())

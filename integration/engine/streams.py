@@ -34,10 +34,14 @@ class RequestDelta:
     metrics: object  # the engine's RequestMetrics (perf_counter times)
 
 
+_CLOSED = object()  # what close() hands a reader waiting on the queue
+
+
 class RequestStream:
     """One request's pieces, in the order the engine made them: ``async for piece in stream``.
-    :meth:`close` (idempotent) aborts the request unless it has finished; the engine thread
-    feeds the queue and keeps, per completion, how much it has handed over."""
+    :meth:`close` (idempotent) aborts the request unless it has finished, and ends the iteration
+    (of a reader waiting in another task too); the engine thread feeds the queue and keeps, per
+    completion, how much it has handed over."""
 
     def __init__(self, request_id: str, on_close: Callable[[], None]):
         self.request_id, self.on_close = request_id, on_close
@@ -53,9 +57,11 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> "RequestDelta":
-        if self.finished:
+        if self.finished or self.closed:
             raise StopAsyncIteration
         piece = await self.queue.get()
+        if piece is _CLOSED:
+            raise StopAsyncIteration
         if isinstance(piece, BaseException):
             self.finished = True
             raise piece
@@ -65,7 +71,11 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished and not self.closed:
             self.closed = True
-            self.on_close()
+            self.on_close()  # the engine stops feeding the queue: a reader waiting on it gets _CLOSED
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, _CLOSED)
+            except RuntimeError:  # that loop is closed: nobody waits there
+                pass
 
     def delta(self, out) -> Optional[RequestDelta]:
         """What the engine's RequestOutput ``out`` (cumulative) has that this stream has not yet
