@@ -21,9 +21,9 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
-from .streams import CompletionDelta, EngineDeadError, RequestDelta, RequestStream
+from .streams import Command, CompletionDelta, EngineDeadError, RequestDelta, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class AsyncLLMEngine:
         self.stat_loggers = list(stat_loggers)
         self.max_step_failures = max_step_failures
         self._wake = threading.Condition()
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[Command] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stopping = False
         self._dead = False  # set once, under _wake, when the thread stops taking commands
@@ -82,7 +82,7 @@ class AsyncLLMEngine:
                 raise ValueError("add_request: a text prompt needs an engine with a tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         prompt = list(prompt)
-        stream = RequestStream(request_id, on_close=lambda: self._post(_Command(lambda: self._abort(request_id, stream))))
+        stream = RequestStream(request_id, on_close=lambda: self._post(Command(lambda: self._abort(request_id, stream))))
 
         def add():
             self.engine.add_request(request_id, prompt, params, priority=priority)
@@ -125,7 +125,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ commands
 
-    def _post(self, command: "_Command") -> None:
+    def _post(self, command: "Command") -> None:
         with self._wake:
             if not self._dead:
                 self._commands.append(command)
@@ -136,7 +136,7 @@ class AsyncLLMEngine:
     async def _call(self, fn):
         """Run ``fn`` in the engine thread; its result or exception comes back here."""
         self.check_health()
-        command = _Command(fn, concurrent.futures.Future())
+        command = Command(fn, concurrent.futures.Future())
         self._post(command)
         return await asyncio.wrap_future(command.future)
 
@@ -243,32 +243,3 @@ def _put_all(pieces) -> None:
     """On a consumer's event loop: each piece into its stream's queue."""
     for stream, piece, _ in pieces:
         stream.queue.put_nowait(piece)
-
-
-class _Command:
-    """A call to run in the engine thread; with a future, its outcome goes back to the caller."""
-
-    def __init__(self, fn: Callable[[], object], future: Optional[concurrent.futures.Future] = None):
-        self.fn = fn
-        self.future = future
-
-    def run(self) -> None:
-        if self.future is None:
-            try:
-                self.fn()
-            except Exception:  # an abort of an id already gone, say: nobody to tell
-                logger.exception("engine command failed")
-            return
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            self.future.set_result(self.fn())
-        except BaseException as e:  # noqa: BLE001 (it is the caller's to handle)
-            self.future.set_exception(e)
-
-    def fail(self, error: BaseException) -> None:
-        if self.future is not None and not self.future.done():
-            try:
-                self.future.set_exception(error)
-            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                pass
