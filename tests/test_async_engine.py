@@ -394,3 +394,45 @@ def test_closing_a_stream_ends_a_reader_waiting_on_it(engine):
         assert [p async for p in stream] == []  # and a loop started after close() ends at once
 
     run(main())
+
+
+@pytest.mark.parametrize("bad_ids", [["bad"], ["bad", "bad2"]])
+def test_requests_that_always_fail_end_with_error_and_the_engine_runs_on(bad_ids):
+    """A request whose every step fails (the model raising on its prompt) is pinned by the engine
+    after MAX_FAILURES failed steps in a row and ends with "error"; those failed steps are the
+    engine doing its job, not a dead engine: with the default max_step_failures the thread goes
+    on, the other requests equal their solo runs, and the next request is served."""
+    poison = 150  # at position 0 only: no generated token can trigger it
+    llm = make_engine()
+    forward = llm.run_model
+
+    def fails_on_poison(meta):
+        if ((meta.input_ids == poison) & (meta.position_ids == 0)).any():
+            raise RuntimeError("planted: this prompt always fails")
+        return forward(meta)
+
+    llm.run_model = fails_on_poison
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    reference = make_engine().generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(llm)
+
+    async def outcome(prompt, request_id):
+        try:
+            pieces = await collect(engine, prompt, greedy, request_id)
+        except EngineDeadError as e:
+            return e
+        return [t for p in pieces for t in p.outputs[0].token_ids], pieces[-1].outputs[0].finish_reason
+
+    async def main():
+        bad = [outcome([poison, 7, 8, 9], rid) for rid in bad_ids]
+        return await asyncio.gather(*bad, outcome(PROMPTS[0], "good"))
+
+    try:
+        *bad, good = run(main())
+        assert bad == [([], "error")] * len(bad_ids)  # main: EngineDeadError, for every request
+        assert good == (reference, "length")
+        engine.check_health()
+        assert run(outcome(PROMPTS[0], "next")) == (reference, "length")
+    finally:
+        engine.shutdown()
+

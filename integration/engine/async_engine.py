@@ -34,7 +34,10 @@ class AsyncLLMEngine:
     """Drives ``engine`` from a thread of its own. ``stat_loggers``: objects with
     ``record(outputs, now)``, called in that thread after every step with the engine's
     RequestOutputs (for metrics). A step that raises is retried (the engine rolls a failed step
-    back); ``max_step_failures`` failures in a row stop the thread."""
+    back); ``max_step_failures`` failures in a row stop the thread, unless the last one ended a
+    request with "error": the engine pins a failure that follows one request on that request (see
+    LLMEngine.step), and those failed steps are its alone. (So a model that fails on every input
+    ends each request with "error" instead of stopping the thread.)"""
 
     def __init__(self, engine, *, stat_loggers=(), max_step_failures: int = 3):
         if isinstance(max_step_failures, bool) or not isinstance(max_step_failures, int) or max_step_failures < 1:
@@ -151,6 +154,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         failures = 0
         try:
+            errored = self.engine.stats()["errored"]  # requests the engine has ended with "error"
             while True:
                 with self._wake:
                     while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
@@ -166,7 +170,8 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                 except Exception:
                     failures += 1
-                    if failures >= self.max_step_failures:
+                    before, errored = errored, self.engine.stats()["errored"]
+                    if failures >= self.max_step_failures and errored == before:
                         raise
                     logger.exception("engine step failed (%d in a row); retrying", failures)
                     continue
