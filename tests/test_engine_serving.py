@@ -72,7 +72,7 @@ def small_engine(**kwargs):
 # every place a step can fail: attribute paths from the engine instance
 FAILURE_POINTS = ["scheduler.schedule", "pool.apply_copies", "run_model", "step_runner.sampler.__call__",
                   "step_runner.record_prompt_logprobs", "step_runner.accept", "scheduler.finish", "step_runner.fork",
-                  "request_table.complete", "request_table.new_sequence"]
+                  "request_table.complete", "request_table.new_sequence", "scheduler.add"]
 
 
 def attribute(obj, path):

@@ -55,9 +55,15 @@ class RequestTable:
                              req.request_id)
             seq, failed = Sequence(f"{req.request_id}#0", req, 0, list(req.prompt_token_ids)), True
         req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
-        req.seqs.append(seq)
-        self.unfinished[req.request_id] = req
-        self.scheduler.add(seq)
+        try:
+            req.seqs.append(seq)
+            self.unfinished[req.request_id] = req
+            self.scheduler.add(seq)
+        except BaseException:  # interrupted: undone, so that the add, handed back, applies afresh
+            self.scheduler.discard(seq)
+            req.seqs[:] = [s for s in req.seqs if s is not seq]
+            self.unfinished.pop(req.request_id, None)
+            raise
         if failed:
             self.end(req, "error")
 
