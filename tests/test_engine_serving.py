@@ -356,6 +356,72 @@ def test_a_generate_that_raises_leaves_no_request_running_and_no_id_taken(fails_
     assert [o.outputs[0].token_ids for o in outs] == [reference(p, 4) for p in prompts]
 
 
+@pytest.mark.parametrize("other", ["generate", "step"])
+def test_generate_gets_its_outputs_when_another_thread_steps_them(other, monkeypatch):
+    """generate() in one thread ("mine") while another thread (its own generate(), or a step()
+    loop over requests it added) runs every step, the one that finishes mine's requests included
+    (mine is held before its first step until the other is done). Each caller gets exactly its own
+    outputs, equal to their solo runs; none waits for good for an output the other's step took.
+    Bounded: after the joins a stop flag makes every step raise, ending a generate() stuck in its loop."""
+    engine = LLMEngine(engine_model(), num_blocks=64, block_size=4, max_num_seqs=8)
+    mine, theirs = prompts_of([5, 9, 6], seed=95), prompts_of([7, 4, 8], seed=96)
+    run, stop, mine_queued, theirs_done = engine.step_runner.run, threading.Event(), threading.Event(), threading.Event()
+
+    def stoppable(run_model):
+        if stop.is_set():
+            raise KeyboardInterrupt("stopped by the test")
+        return run(run_model)
+
+    def progress(total, enabled):  # generate() calls it once its prompts are queued
+        if threading.current_thread().name == "mine":
+            mine_queued.set()
+            theirs_done.wait(20)
+
+    engine.step_runner.run = stoppable
+    monkeypatch.setattr(llm_engine, "_progress", progress)
+    got, errors = {}, []
+
+    def generate(name, prompts):
+        try:
+            outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+            got[name] = [o.outputs[0].token_ids for o in outs]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            if name == "theirs":
+                theirs_done.set()
+
+    def step_loop():
+        for i, p in enumerate(theirs):
+            engine.add_request(f"t{i}", p, SamplingParams(max_tokens=6))
+        final = {}
+        try:
+            for _ in range(100):
+                final.update((o.request_id, o) for o in engine.step() if o.finished)
+                if len(final) == len(theirs):
+                    got["theirs"] = [final[f"t{i}"].outputs[0].token_ids for i in range(len(theirs))]
+                    break
+        finally:
+            theirs_done.set()
+
+    threads = [threading.Thread(target=generate, args=("mine", mine), name="mine", daemon=True),
+               threading.Thread(target=generate, args=("theirs", theirs), daemon=True) if other == "generate"
+               else threading.Thread(target=step_loop, daemon=True)]
+    threads[0].start()
+    assert mine_queued.wait(20)
+    threads[1].start()
+    for t in threads:
+        t.join(20)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors  # main: "mine" waited for outputs the other thread's steps took
+    assert got == {"mine": [reference(p, 6) for p in mine], "theirs": [reference(p, 6) for p in theirs]}
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
 def test_construction_and_request_errors():
     model = engine_model()
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):

@@ -80,12 +80,15 @@ class FrontDoor:
         self._seeds = random.Random(seed)
         self._arrivals = itertools.count()
         self._stash: list[RequestOutput] = []  # outputs generate() keeps for the next step()
+        self._awaited: set[str] = set()  # ids a generate() call waits on (another thread's step may end them)
+        self._owed: list[RequestOutput] = []  # their outputs, made by another caller's step
         self._dropped: set[str] = set()  # generate() requests abandoned by an exception: never reported
 
     # ------------------------------------------------------------------ callers' side
 
-    def queue(self, requests: list[Request]) -> None:
-        """Queue validated requests for the next step boundary, all or none."""
+    def queue(self, requests: list[Request], awaited: bool = False) -> None:
+        """Queue validated requests for the next step boundary, all or none (``awaited``: by a
+        generate() call, which gets their outputs whoever's step makes them)."""
         with self._lock:
             ids = [r.request_id for r in requests]
             taken = [i for i in ids if i in self._live_ids]
@@ -97,6 +100,8 @@ class FrontDoor:
                 req.seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
                 self._live_ids.add(req.request_id)
                 self._commands.append(("add", req))
+            if awaited:
+                self._awaited.update(ids)
 
     def abort(self, request_id: str) -> None:
         """Queue an abort of a live request; unknown or finished ids are ignored."""
@@ -131,14 +136,26 @@ class FrontDoor:
         with self._lock:
             self._commands[:0] = commands
 
-    def keep_for_step(self, output: RequestOutput) -> None:
-        """An output generate() received for a request not its own: the next step() returns it."""
-        self._stash.append(output)
+    def keep(self, output: RequestOutput) -> None:
+        """An output generate() received for a request not its own: the generate() call awaiting
+        it takes it, else the next step() returns it."""
+        with self._lock:
+            (self._owed if output.request_id in self._awaited else self._stash).append(output)
+
+    def take_owed(self, request_ids) -> list[RequestOutput]:
+        """The outputs of a generate() call's requests that another caller's step made."""
+        with self._lock:
+            taken = [o for o in self._owed if o.request_id in request_ids]
+            self._owed = [o for o in self._owed if o.request_id not in request_ids]
+        return taken
 
     def deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """step()'s outputs: the kept ones first; the finished ones free their ids."""
+        """step()'s outputs: the kept ones first, those a generate() call awaits set aside for it;
+        the finished ones free their ids."""
         with self._lock:
             outputs, self._stash = self._stash + outputs, []
+            self._owed += [o for o in outputs if o.request_id in self._awaited]
+            outputs = [o for o in outputs if o.request_id not in self._awaited]
             self._live_ids.difference_update(o.request_id for o in outputs if o.finished)
         return outputs
 
@@ -146,11 +163,16 @@ class FrontDoor:
         """Free the ids of requests whose final outputs generate() has returned."""
         with self._lock:
             self._live_ids.difference_update(request_ids)
+            self._awaited.difference_update(request_ids)
 
     def abandon(self, request_ids: list[str], returned) -> None:
-        """A failed generate(): ``returned`` ids are free; the others are aborted at the next step
-        and never reported (their ids are freed when the abort goes through)."""
+        """A failed generate(): ``returned`` ids are free (and those whose final output waits in
+        the owed ones); the others are aborted at the next step and never reported (their ids are
+        freed when the abort goes through)."""
+        owed = self.take_owed(request_ids)
         with self._lock:
+            returned = set(returned) | {o.request_id for o in owed if o.finished}
+            self._awaited.difference_update(request_ids)
             self._live_ids.difference_update(returned)
             self._dropped.update(i for i in request_ids if i not in returned)
             self._commands.extend(("abort", i) for i in request_ids if i not in returned)

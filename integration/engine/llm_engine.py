@@ -10,8 +10,8 @@ redoing it gives the same tokens. Between steps, ``request_table`` takes the que
 and ends the aborted ones.
 
 The front door (``add_request``, ``abort_request``, ``has_unfinished_requests``, ``stats``) may be
-used from any thread while one thread steps: requests and aborts are queued (``front_door``) and
-take effect at the next step boundary.
+used from any thread while others step: requests and aborts are queued (``front_door``) and take
+effect at the next step boundary; each ``generate()`` call gets its own outputs, whoever steps.
 """
 
 from __future__ import annotations
@@ -204,17 +204,17 @@ class LLMEngine:
         base = f"generate-{self._door.next_arrival()}-"
         requests = [build_request(self, f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
         ids, results, bar = [r.request_id for r in requests], {}, None
-        self._door.queue(requests)
+        self._door.queue(requests, awaited=True)
         try:  # from here on, whatever raises (the bar too) leaves none of them running or holding its id
             bar = _progress(len(ids), use_tqdm)
             while len(results) < len(ids):
-                done = len(results)
-                for out in self._step():  # all taken in before the bar moves (it may raise)
+                done, outputs = len(results), self._step()
+                for out in self._door.take_owed(ids) + outputs:  # all taken in before the bar moves (it may raise)
                     if out.request_id not in results and out.request_id in ids:
                         if out.finished:
                             results[out.request_id] = out
                     else:
-                        self._door.keep_for_step(out)
+                        self._door.keep(out)
                 if bar is not None and len(results) > done:
                     bar.update(len(results) - done)
             self._door.release(ids)
