@@ -36,8 +36,8 @@ class AsyncLLMEngine:
     RequestOutputs (for metrics). A step that raises is retried (the engine rolls a failed step
     back); ``max_step_failures`` failures in a row stop the thread, unless the last one ended a
     request with "error": the engine pins a failure that follows one request on that request (see
-    LLMEngine.step), and those failed steps are its alone. (So a model that fails on every input
-    ends each request with "error" instead of stopping the thread.)"""
+    LLMEngine.step), and those failed steps are its alone. (So an engine that fails on every input,
+    a lost device or tensor-parallel worker, ends each request with "error" and /health stays up.)"""
 
     def __init__(self, engine, *, stat_loggers=(), max_step_failures: int = 3):
         if isinstance(max_step_failures, bool) or not isinstance(max_step_failures, int) or max_step_failures < 1:
