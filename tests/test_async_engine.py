@@ -436,3 +436,36 @@ def test_requests_that_always_fail_end_with_error_and_the_engine_runs_on(bad_ids
     finally:
         engine.shutdown()
 
+
+
+def test_a_model_that_fails_on_every_input_is_a_dead_engine():
+    """Each request it is given fails alone and is ended with "error", so no single failure looks
+    like a dead engine; max_step_failures such requests with no step succeeding in between (the
+    steps that only report them do not count) stop the thread: health fails instead of every
+    later request erroring behind a healthy /health."""
+    llm = make_engine()
+
+    def device_lost(meta):
+        raise RuntimeError("planted: the device fell off")
+
+    llm.run_model = device_lost
+    engine = AsyncLLMEngine(llm)  # max_step_failures=3
+
+    async def one(i):
+        try:
+            pieces = await asyncio.wait_for(collect(engine, PROMPTS[0], SamplingParams(max_tokens=4), f"r{i}"), 60)
+        except EngineDeadError as e:
+            return e
+        return pieces[-1].outputs[0].finish_reason
+
+    async def main():
+        return [await one(i) for i in range(4)]  # one at a time: each fails alone
+
+    try:
+        results = run(main())
+        assert results[:2] == ["error", "error"], results
+        assert all(isinstance(r, EngineDeadError) for r in results[2:]), results
+        with pytest.raises(EngineDeadError, match="the device fell off"):
+            engine.check_health()
+    finally:
+        engine.shutdown()

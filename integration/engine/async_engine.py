@@ -36,8 +36,9 @@ class AsyncLLMEngine:
     RequestOutputs (for metrics). A step that raises is retried (the engine rolls a failed step
     back); ``max_step_failures`` failures in a row stop the thread, unless the last one ended a
     request with "error": the engine pins a failure that follows one request on that request (see
-    LLMEngine.step), and those failed steps are its alone. (So an engine that fails on every input,
-    a lost device or tensor-parallel worker, ends each request with "error" and /health stays up.)"""
+    LLMEngine.step), and those failed steps are its alone. But ``max_step_failures`` requests ended
+    that way with no step succeeding in between stop it too: a model that fails on every input (a
+    lost device or tensor-parallel worker) is a dead engine, not a run of bad prompts."""
 
     def __init__(self, engine, *, stat_loggers=(), max_step_failures: int = 3):
         if isinstance(max_step_failures, bool) or not isinstance(max_step_failures, int) or max_step_failures < 1:
@@ -152,7 +153,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        failures = 0
+        failures = pinned_since_success = 0
         try:
             errored = self.engine.stats()["errored"]  # requests the engine has ended with "error"
             while True:
@@ -171,11 +172,16 @@ class AsyncLLMEngine:
                 except Exception:
                     failures += 1
                     before, errored = errored, self.engine.stats()["errored"]
-                    if failures >= self.max_step_failures and errored == before:
+                    pinned_since_success += errored > before
+                    if failures >= self.max_step_failures and (
+                            errored == before or pinned_since_success >= self.max_step_failures):
                         raise
                     logger.exception("engine step failed (%d in a row); retrying", failures)
                     continue
                 failures = 0
+                # a step that only reported requests ended with "error" is not a success
+                if any(c.finish_reason != "error" for out in outputs for c in out.outputs):
+                    pinned_since_success = 0
                 now = time.perf_counter()
                 for stat_logger in self.stat_loggers:
                     try:
