@@ -204,13 +204,14 @@ class LLMEngine:
         base = f"generate-{self._door.next_arrival()}-"
         requests = [build_request(self, f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
         ids, results, bar = [r.request_id for r in requests], {}, None
+        wanted = set(ids)  # looked up for every output of every step
         self._door.queue(requests, awaited=True)
         try:  # from here on, whatever raises (the bar too) leaves none of them running or holding its id
             bar = _progress(len(ids), use_tqdm)
             while len(results) < len(ids):
                 done, outputs = len(results), self._step()
-                for out in self._door.take_owed(ids) + outputs:  # all taken in before the bar moves (it may raise)
-                    if out.request_id not in results and out.request_id in ids:
+                for out in self._door.take_owed(wanted) + outputs:  # all taken in before the bar moves (it may raise)
+                    if out.request_id not in results and out.request_id in wanted:
                         if out.finished:
                             results[out.request_id] = out
                     else:

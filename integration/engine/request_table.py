@@ -53,7 +53,7 @@ class RequestTable:
         except Exception:  # noqa: BLE001 - this request's own fault: it ends, the engine goes on
             logger.exception("request %r: its sequence could not be made; it ends with finish_reason 'error'",
                              req.request_id)
-            seq, failed = Sequence(f"{req.request_id}#0", req, 0, list(req.prompt_token_ids)), True
+            seq, failed = _plain_sequence(req, 0, list(req.prompt_token_ids)), True
         req.prompt_logprobs = [None] if req.params.prompt_logprobs is not None else None
         try:
             req.seqs.append(seq)
@@ -69,7 +69,7 @@ class RequestTable:
 
     def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         """Completion ``index`` of ``req``, holding ``token_ids`` (the prompt, or a parent's tokens)."""
-        seq = Sequence(f"{req.request_id}#{index}", req, index, token_ids)
+        seq = _plain_sequence(req, index, token_ids)
         if req.params.logprobs is not None:
             seq.logprobs = []
         if self.tokenizer is not None:
@@ -126,3 +126,8 @@ class RequestTable:
         """The requests ended outside a commit since the last call (the step reports them)."""
         ended, self._ended = self._ended, []
         return ended
+
+
+def _plain_sequence(req: Request, index: int, token_ids: list[int]) -> Sequence:
+    """Completion ``index`` of ``req`` with nothing attached; its id names it in the block manager."""
+    return Sequence(f"{req.request_id}#{index}", req, index, token_ids)
