@@ -9,7 +9,9 @@ then its V run) with and without software prefetches, and the kernel's own walk 
 order and all its prefetches, no arithmetic), so the kernel's cost can be split into "the access
 pattern" and "the kernel itself". The kernel also runs on tables whose
 every entry names one of 4 blocks (its arithmetic with no memory traffic), and the `overlap:` line
-says how much of that arithmetic the kernel hides under its reads; the `arithmetic:` line sets its
+says how much of that arithmetic the kernel hides under its reads, and the `ceiling:` line how much
+the kernel's walk hides of as much arithmetic (its in-cache time) as plain independent
+multiply-adds on each line: what this machine allows a loop with nothing else in it; the `arithmetic:` line sets its
 in-cache multiply-adds per second against this machine's peak (float32 multiply-adds on every
 thread; bfloat16 pair dot products too for --dtype bfloat16): how much a faster inner loop could
 gain at most. Last, the kernel runs on the same blocks laid out back to back (each sequence's K runs
@@ -43,6 +45,7 @@ from common import (DTYPES, add_cpu_decode_args, cpu_decode_problem, interleaved
 IN_CACHE = "minipaged, every table entry one of 4 blocks (in cache)"
 BACK_TO_BACK = "minipaged, the same blocks back to back"
 GAPPED = "minipaged, the same blocks in order, a block's gap after each"
+PLAIN_WALK = "read, the kernel's walk, no multiply-adds"
 PARTITION_TOKENS = 512  # the kernel's work items: kPartitionTokens in src_cuda/cpu/kernels.cpp
 CHUNK_SCORE_BYTES = 32 << 10  # the kernel's chunks of blocks: kChunkScoreBytes there
 
@@ -288,6 +291,30 @@ def main(argv=None) -> None:
         others.append(other)
         fns[f"minipaged paged_attention_decode, block {bs}"] = decode(other)
         fns[f"read, the kernel's walk, block {bs}"] = paged_read(other, 4)
+    # The ceiling for the overlap: the kernel's walk with as much arithmetic as the kernel has, as
+    # plain multiply-adds in independent chains on each line (nothing else in the loop, no line
+    # waiting on another). Its count per line is set so that the walk over the in-cache tables
+    # takes the kernel's in-cache time (the time grows linearly with it).
+    def with_fmas(n, fn):
+        def run():
+            reader.set_fmas(n, 8)
+            try:
+                return fn()
+            finally:
+                reader.set_fmas(args.fmas, 8 if args.independent else 2)
+        return run
+
+    walk_in_cache = paged_read(p, 4, p.in_cache_pool)
+    probe = interleaved_medians({IN_CACHE: decode(p, p.in_cache_pool), 8: with_fmas(8, walk_in_cache),
+                                 32: with_fmas(32, walk_in_cache)}, max(3, args.iters // 3))
+    per_fma = max((probe[32] - probe[8]) / 24, 1e-12)
+    ceiling_fmas = int(min(max(round(((probe[IN_CACHE] - probe[8]) / per_fma + 8) / 4) * 4, 4), 512))
+    ceiling_cache = f"ceiling: the kernel's walk, {ceiling_fmas} independent multiply-adds per line (in cache)"
+    ceiling = f"ceiling: the kernel's walk, {ceiling_fmas} independent multiply-adds per line"
+    fns[ceiling_cache] = with_fmas(ceiling_fmas, walk_in_cache)
+    fns[ceiling] = with_fmas(ceiling_fmas, paged_read(p, 4))
+    if args.fmas:
+        fns[PLAIN_WALK] = with_fmas(0, paged_read(p, 4))
     t = interleaved_medians(fns, args.iters)
     kernel = t["minipaged paged_attention_decode"]
     print(f"{machine_name()}; torch {torch.__version__}; {minipaged_ops.build_info()}")
@@ -307,6 +334,12 @@ def main(argv=None) -> None:
     print(f"overlap: the kernel takes {kernel * 1e3:.3f} ms; its walk {walk * 1e3:.3f} ms, its walk + in-cache time "
           f"{(walk + compute) * 1e3:.3f} ms: {100 * min(max((walk + compute - kernel) / compute, 0), 1):.0f}% of its "
           "arithmetic hidden under its reads")
+    # The same sum for the ceiling loop, against the plain walk (no multiply-adds) whatever --fmas says.
+    plain, synthetic = t[PLAIN_WALK] if args.fmas else walk, t[ceiling_cache]
+    print(f"ceiling: the kernel's walk with {ceiling_fmas} independent multiply-adds per line takes "
+          f"{synthetic * 1e3:.3f} ms in cache (the kernel {compute * 1e3:.3f}) and {t[ceiling] * 1e3:.3f} ms from memory; "
+          f"the plain walk {plain * 1e3:.3f}: {100 * min(max((plain + synthetic - t[ceiling]) / synthetic, 0), 1):.0f}% "
+          "of that arithmetic hidden, with nothing else in the loop")
     # The arithmetic's own ceiling: a decode step does 2 multiply-adds per K/V element per query
     # head (Q.K and P.V); in cache, against the most this machine's cores do (the best of a few
     # short runs, so a busy moment does not lower it).

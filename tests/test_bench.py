@@ -72,6 +72,14 @@ def test_read_roof_compiles_its_reader_and_prints_all_rows(fmas):
                 "torch sum, contiguous (same bytes)"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
     assert re.search(r"^overlap: .* \d+% of its arithmetic hidden under its reads$", out, re.M), out
+    ceiling = re.search(r"^ceiling: the kernel's walk with (\d+) independent multiply-adds per line takes [\d.]+ ms in "
+                        r"cache \(the kernel [\d.]+\) and [\d.]+ ms from memory; the plain walk [\d.]+: \d+% of that "
+                        r"arithmetic hidden, with nothing else in the loop$", out, re.M)
+    assert ceiling and int(ceiling[1]) % 4 == 0, out  # the reader's independent chains take 8 per 128 bytes
+    for where in ("", " (in cache)"):
+        assert re.search(rf"^ceiling: the kernel's walk, {ceiling[1]} independent multiply-adds per line{re.escape(where)}"
+                         r"\s+[\d.]+\s+[\d.]+\s+\d+%", out, re.M), out
+    assert ("read, the kernel's walk, no multiply-adds" in out) == bool(fmas)
     assert re.search(r"^arithmetic: in cache the kernel does [\d.]+ G multiply-adds/s; this machine's float32 "
                      r"multiply-adds peak at [\d.]+ G/s \(\d+% of it\)$", out, re.M), out
     assert re.search(r"^layout: .* back to back take \d+% .* gap after each \d+%; shuffling costs -?\d+% of it$",
