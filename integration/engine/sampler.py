@@ -1,36 +1,28 @@
 """The batched sampler: one call per step turns every row's raw logits into its next token.
 
-Per row, in vLLM's order: ``min_tokens`` masking (EOS and ``stop_token_ids`` set to -inf while the
-output is shorter than ``min_tokens``), the repetition penalty (over prompt and output), the
-frequency and presence penalties (over the output); then greedy rows take the argmax, and the
-others are divided by their temperature, filtered by ``min_p``, ``top_k`` and ``top_p`` and drawn.
-Each of these runs once over the whole batch with per-row parameter tensors; the penalties touch
-only the (row, token) pairs that occur, found by one ``torch.unique`` over the batch's token ids.
-
-A row's draw is a pure function of ``(row.seed, len(row.output_ids))``: one uniform number from a
-counter-based hash of the two, turned into a token by inverse CDF over the filtered distribution,
-so a step that is rolled back or recomputed draws the same tokens, and no generator state is kept.
+Per row: the logits are processed (``logits_processing``: ``min_tokens`` masking and the
+penalties on every row that needs them; temperature, ``min_p``, ``top_k`` and ``top_p`` on the rows
+that draw), then greedy rows take the argmax and the others draw (``seeded_draw``: a pure function
+of the row's seed and output position). This module assembles the batch: which rows need
+processing or a draw, one device-to-host transfer of the chosen tokens, the check that every row
+had a token to choose, and the log-probabilities.
 
 Log-probabilities are of the raw model distribution, not of the processed one (``logprobs``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .logits_processing import apply_penalties, filter_for_draw, index_tensor, mask_stop_tokens
 from .logprobs import InvalidLogitsError, prompt_logprobs, top_logprobs
 from .sampling_params import SamplingParams
+from .seeded_draw import draw_tokens, draw_uniform
 
 __all__ = ["InvalidLogitsError", "SampledToken", "Sampler", "SamplingRow", "draw_uniform", "prompt_logprobs"]
-
-_MASK64 = (1 << 64) - 1
-_DRAW_BLOCK = 1024  # tokens per block of the two-level inverse CDF
-_EXP_FLOOR = -87.0
-_NUCLEUS_CANDIDATES = 1024  # top_p looks for the nucleus among this many most likely tokens first
 
 
 @dataclass(frozen=True)
@@ -49,21 +41,8 @@ class SamplingRow(Protocol):
     eos_token_ids: frozenset
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's step: a bijection of 64-bit ints in which every input bit moves every output bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_uniform(seed: int, position: int) -> float:
-    """The uniform number in [0, 1) behind the draw at output ``position`` of a row seeded ``seed``."""
-    return (_mix64(_mix64(seed & _MASK64) ^ position) >> 11) * 2.0 ** -53
-
-
 class Sampler:
-    """Chooses each row's next token (see the module docstring for the rules and their order).
+    """Chooses each row's next token (the rules and their order: ``logits_processing``, ``seeded_draw``).
 
     Args:
         vocab_size: tokens that can be chosen; wider logits (a padded lm_head) are cut to it.
@@ -137,113 +116,25 @@ class Sampler:
         invalid = ~torch.isfinite(row_max) | masked_invalid
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if len(random) == len(rows):
-            chosen = self._draw(x, row_max, rows)
+            chosen = draw_tokens(x, row_max, rows)
         elif random:
             index = self._index(random)
-            drawn = self._draw(x.index_select(0, index), row_max.index_select(0, index), [rows[j] for j in random])
+            drawn = draw_tokens(x.index_select(0, index), row_max.index_select(0, index), [rows[j] for j in random])
             chosen = chosen.index_copy(0, index, drawn)
         return chosen, invalid
 
     def _transform(self, x: torch.Tensor, rows: list) -> torch.Tensor:
         """min_tokens masking and penalties on every row, temperature and filters on the random
         ones, in place. Returns which rows had NaN or +inf where min_tokens masked."""
-        masked_invalid = self._mask_stop_tokens(x, rows)
-        self._apply_penalties(x, rows)
+        masked_invalid = mask_stop_tokens(x, rows, self.device)
+        apply_penalties(x, rows, self.device)
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if len(random) == len(rows):
-            self._filter(x, rows)
+            filter_for_draw(x, rows, self.device)
         elif random:
             index = self._index(random)
-            x.index_copy_(0, index, self._filter(x.index_select(0, index), [rows[j] for j in random]))
+            x.index_copy_(0, index, filter_for_draw(x.index_select(0, index), [rows[j] for j in random], self.device))
         return masked_invalid
-
-    # The (row, token) pairs below are flat indices into x (contiguous): index_select and
-    # index_copy_ on them cost microseconds, where x[rows, tokens] takes milliseconds on a busy CPU.
-
-    def _mask_stop_tokens(self, x: torch.Tensor, rows: list) -> torch.Tensor:
-        """min_tokens: EOS and stop_token_ids cannot be chosen while the output is shorter."""
-        vocab = x.shape[1]
-        keys, key_rows = [], []
-        for j, row in enumerate(rows):
-            if len(row.output_ids) < row.params.min_tokens:
-                banned = [j * vocab + t for t in {*row.eos_token_ids, *row.params.stop_token_ids} if t < vocab]
-                keys += banned
-                key_rows += [j] * len(banned)
-        invalid = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        if keys:
-            keys_t, flat = self._index(keys), x.view(-1)
-            hidden = flat.index_select(0, keys_t)  # a NaN or +inf about to be masked still makes the row invalid
-            bad = (torch.isnan(hidden) | (hidden == math.inf)).to(torch.int64)
-            invalid = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device).index_add_(
-                0, self._index(key_rows), bad) > 0
-            flat.index_fill_(0, keys_t, -math.inf)
-        return invalid
-
-    def _apply_penalties(self, x: torch.Tensor, rows: list) -> None:
-        """Repetition (prompt + output), then frequency and presence (output), on the occurring
-        (row, token) pairs only: one unique over the batch, one gather, one scatter."""
-        vocab = x.shape[1]
-        keys: list[int] = []  # row * vocab + token, for every token of the prompts and outputs penalized
-        from_output: list[float] = []  # 1 where the key's token is an output token (counted)
-        for j, row in enumerate(rows):
-            params, base = row.params, j * vocab
-            for ids, is_output, wanted in ((row.prompt_token_ids, 0.0, params.repetition_penalty != 1),
-                                           (row.output_ids, 1.0, params.has_penalties)):
-                if wanted:  # ids the logits do not cover cannot be chosen anyway
-                    new = [base + t for t in ids if t < vocab]
-                    keys += new
-                    from_output += [is_output] * len(new)
-        if not keys:
-            return
-        unique, where = torch.unique(self._index(keys), return_inverse=True)
-        counts = torch.zeros(unique.shape[0], device=x.device).index_add_(0, where, self._floats(from_output))
-        repetition, frequency, presence = torch.tensor(
-            [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in rows],
-            dtype=torch.float32, device=x.device).index_select(0, unique // vocab).unbind(1)
-        flat = x.view(-1)
-        values = flat.index_select(0, unique)
-        values = torch.where(values > 0, values / repetition, values * repetition)
-        flat.index_copy_(0, unique, values - frequency * counts - presence * (counts > 0))
-
-    def _filter(self, y: torch.Tensor, rows: list) -> torch.Tensor:
-        """Temperature, then min_p and top_k (one floor per row), then top_p, in place on ``y``."""
-        vocab = y.shape[1]
-        params = [row.params for row in rows]
-        y.div_(self._floats([p.temperature for p in params])[:, None])
-        top_k = [p.top_k if p.top_k < vocab else 0 for p in params]
-        if any(p.min_p > 0 for p in params) or any(top_k):
-            # min_p: p_i < min_p * p_max  <=>  y_i < y_max + log(min_p), no softmax needed
-            floor = y.amax(-1) + torch.log(self._floats([p.min_p for p in params]))
-            if any(top_k):
-                k = self._index(top_k)
-                kth = y.topk(max(top_k), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
-                floor = torch.maximum(floor, kth.masked_fill(k == 0, -math.inf))
-            y.masked_fill_(y < floor[:, None], -math.inf)
-        nucleus = [j for j, p in enumerate(params) if p.top_p < 1]
-        if nucleus:
-            index = self._index(nucleus)
-            y.index_copy_(0, index, _top_p(y.index_select(0, index), self._floats([params[j].top_p for j in nucleus])))
-        return y
-
-    def _draw(self, y: torch.Tensor, row_max: torch.Tensor, rows: list) -> torch.Tensor:
-        """Each row's token by inverse CDF at its uniform number, over weights exp(y - max) (``y``
-        is overwritten). Two levels keep it exact and cheap: the CDF over blocks of tokens in
-        float64 picks a block, the CDF inside that block picks the token."""
-        vocab = y.shape[1]
-        weights = _exp_shifted(y, row_max[:, None])
-        whole = vocab - vocab % _DRAW_BLOCK
-        block_mass = [weights[:, :whole].unflatten(1, (-1, _DRAW_BLOCK)).sum(-1)] if whole else []
-        if whole < vocab:
-            block_mass.append(weights[:, whole:].sum(-1, keepdim=True))
-        block_cdf = torch.cat(block_mass, 1).double().cumsum(-1)
-        uniforms = torch.tensor([draw_uniform(row.seed, len(row.output_ids)) for row in rows],
-                                dtype=torch.float64, device=y.device)
-        block, rest = _invert(block_cdf, uniforms * block_cdf[:, -1])
-        columns = block[:, None] * _DRAW_BLOCK + torch.arange(_DRAW_BLOCK, device=y.device)
-        inside = columns < vocab
-        in_block = weights.gather(1, columns.clamp(max=vocab - 1)).double().masked_fill(~inside, 0)
-        offset, _ = _invert(in_block.cumsum(-1), rest)
-        return columns.gather(1, offset[:, None])[:, 0]
 
     # ------------------------------------------------------------------ helpers
 
@@ -257,51 +148,7 @@ class Sampler:
         return logits[:, :self.vocab_size]
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def _floats(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
-
-
-def _exp_shifted(y: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """exp(y - top) in place, where a difference below -87 (past float32's smallest normal, where
-    exp takes a slow path 10x slower) gives exactly 0, as -inf does."""
-    weights = y.sub_(top).clamp_(min=_EXP_FLOOR).exp_()
-    return weights.masked_fill_(weights <= math.exp(_EXP_FLOOR), 0.0)
-
-
-def _top_p(y: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's most likely tokens while the mass above them is below its ``top_p``
-    (transformers' rule: drop where the ascending cumulative mass is <= 1 - top_p). A full sort of
-    the vocabulary is slow on a CPU, so the nucleus is looked for among the top candidates first;
-    rows whose nucleus is wider are sorted in full."""
-    candidates = min(_NUCLEUS_CANDIDATES, y.shape[1])
-    values, _ = y.topk(candidates, dim=-1)  # descending
-    top = values[:, :1]
-    mass = (values - top).exp() / _exp_shifted(y.clone(), top).sum(-1, keepdim=True)
-    above = mass.cumsum(-1) - mass  # the mass of the tokens before each candidate
-    inside = above[:, -1] + mass[:, -1] >= top_p  # the candidates hold the nucleus
-    kept = (above < top_p[:, None]).sum(-1)  # >= 1 (nothing is above the first) unless NaN
-    smallest = values.gather(1, (kept - 1).clamp(min=0)[:, None])
-    y = y.masked_fill(inside[:, None] & (y < smallest), -math.inf)
-    wide = (~inside).nonzero()[:, 0]
-    if wide.numel():
-        part = y.index_select(0, wide)
-        ascending, order = part.sort(dim=-1)
-        drop = ascending.softmax(-1).cumsum(-1) <= (1 - top_p.index_select(0, wide))[:, None]
-        drop[:, -1] = False  # the most likely token always stays
-        y.index_copy_(0, wide, part.masked_fill(drop.scatter(1, order, drop), -math.inf))
-    return y
-
-
-def _invert(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the first column whose ``cdf`` exceeds ``target`` (held strictly below the row's
-    total, so the column has non-zero mass), and how far into that column's mass the target is."""
-    total = cdf[:, -1]
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    column = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
-    before = torch.where(column > 0, cdf.gather(1, (column - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    return column, target - before
+        return index_tensor(values, self.device)
 
 
 def _needs_processing(row) -> bool:
