@@ -9,18 +9,19 @@ attends with ``paged_attention_decode`` (decode steps) or ``paged_attention_pref
 and continued conversations, over their paged history). ``cache.update`` returns the new K/V
 untouched.
 
-Control plane (outside ``forward``): a forward pre-hook on the top-level model sees
-``input_ids``, the attention mask and the cache before every forward. The batch's rows
-(:class:`~.cache_batch.CacheBatch`) then allocate slots through the block manager (pad tokens of
-left-padded batches are not part of the step, so they are never stored), perform the
-copy-on-write block copies the manager asks for, and plan the step. A forward post-hook then
-commits the step (the sequence length transformers sees grows by the number of new columns).
+Control plane (outside ``forward``): hooks on the top-level model (``cache_hooks.py``) hand
+:meth:`PagedKVCache.prepare_forward` the ``input_ids``, the attention mask and the cache before
+every forward. The batch's rows (:class:`~.cache_batch.CacheBatch`) then allocate slots through
+the block manager (pad tokens of left-padded batches are not part of the step, so they are never
+stored), perform the copy-on-write block copies the manager asks for, and plan the step; after
+it, :meth:`PagedKVCache.commit_forward` grows the sequence length transformers sees by the new
+columns. ``cache_binding.py``: which models the cache serves, and their pools;
+``cache_layer.py``: each layer's view.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -28,48 +29,17 @@ from minipaged_ops import quantized
 from minipaged_ops.block_manager import KVBlockManager, OutOfBlocksError
 
 from . import _compat
-from .attention import ATTN_IMPLEMENTATION
 from .cache_batch import CacheBatch
-from .kv_pool import KVPool, check_full_attention, kv_geometry
+from .cache_binding import ModelBinding, check_dtype
+from .cache_hooks import HookedCache, attach_hooks, detach_hooks
+from .cache_layer import PagedLayer
+from .kv_pool import KVPool, check_full_attention
+
+# PagedLayer and the hooks lived here before the split; they stay importable from here.
+__all__ = ["PagedKVCache", "PagedLayer", "attach_hooks", "detach_hooks"]
 
 
-class PagedLayer(_compat.CacheLayerMixin):
-    """One decoder layer's view of a :class:`PagedKVCache`; ``keys``/``values`` are the layer's
-    block pools ``[num_blocks, num_kv_heads, block_size, head_dim]``. Everything goes through
-    the owning cache; this object exists for transformers' per-layer queries."""
-
-    is_compileable = True
-    is_sliding = False
-    is_croppable = False
-
-    def __init__(self, owner: "PagedKVCache", layer_idx: int):
-        super().__init__()
-        self._owner = owner
-        self.layer_idx = layer_idx
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # pools are made by the cache
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self._owner.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._owner.get_mask_sizes(query_length, self.layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self._owner.get_seq_length(self.layer_idx)
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:  # the cache resets everything at once
-        pass
-
-    def reorder_cache(self, beam_idx) -> None:  # done by the cache, through the block manager
-        pass
-
-
-class PagedKVCache(_compat.Cache):
+class PagedKVCache(_compat.Cache, HookedCache):
     """A paged KV cache for ``model.generate(..., past_key_values=cache)`` with
     ``attn_implementation="minipaged"``.
 
@@ -106,7 +76,6 @@ class PagedKVCache(_compat.Cache):
     ):
         quantized.cache_dtype(kv_cache_dtype, torch.float32)  # ValueError naming an unknown one, now
         quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
-        self._kv_cache_dtype, self._calculate_kv_scales = kv_cache_dtype, calculate_kv_scales
         model = _compat.unwrap_model(config) if isinstance(config, torch.nn.Module) else None
         if model is not None:
             if getattr(model, "config", None) is None:
@@ -122,25 +91,29 @@ class PagedKVCache(_compat.Cache):
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.pool: KVPool | None = None  # made when the cache binds to its model
         max_pos = getattr(config, "max_position_embeddings", None)
         self._batch = CacheBatch(self.block_manager,
                                  min(num_blocks, math.ceil(max_pos / block_size)) if max_pos else num_blocks)
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
-        if model is not None and dtype is not None and dtype != model.dtype:
-            raise ValueError(_dtype_mismatch(dtype, model.dtype))
-        self._dtype, self._device = dtype, None if device is None else torch.device(device)
+        if model is not None and dtype is not None:
+            check_dtype(dtype, model.dtype)
+        self._binding = ModelBinding(self.block_manager, self._source_config, dtype=dtype, device=device,
+                                     kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
 
         self._columns = 0  # sequence length as transformers sees it (padding columns included)
         self._in_step = False
         self._step_columns = 0
         self.peak_blocks_used = 0
 
-        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         if model is not None:
             self.attach(model)
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def pool(self) -> KVPool | None:
+        """The pools, made when the cache binds to its model (None before)."""
+        return self._binding.pool
 
     @property
     def num_blocks(self) -> int:
@@ -181,8 +154,8 @@ class PagedKVCache(_compat.Cache):
         its dtype and device."""
         model = _compat.unwrap_model(model)
         attach_hooks(model)
-        self._models.add(model)
-        self._ensure_pool(model)
+        if self._binding.attach(model):
+            self._bind_layers()
         return self
 
     def reset(self, clear_prefix_cache: bool = False) -> None:
@@ -249,21 +222,17 @@ class PagedKVCache(_compat.Cache):
 
     # ------------------------------------------------------------------ hook side
 
-    def _begin_step(self, model, input_ids, inputs_embeds, attention_mask) -> None:
+    def prepare_forward(self, model, input_ids, inputs_embeds, attention_mask) -> dict:
+        """Called by the forward pre-hook (``cache_hooks``): allocate this forward's slots, copy
+        the blocks the manager asks for and plan the step. Returns what the forward passes down
+        to the attention function: the step's metadata and the pools."""
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None:
             raise ValueError("PagedKVCache: the forward received neither input_ids nor inputs_embeds")
         batch, q = source.shape[:2]
         device = source.device
-        if model not in self._models:
-            if self._models or getattr(model, "config", None) is not self._source_config:
-                raise RuntimeError(
-                    f"PagedKVCache: a {type(model).__name__} that this cache is not attached to ran a forward "
-                    "with it; build the cache as PagedKVCache(model, ...) or call cache.attach(model)"
-                )
-            self._models.add(model)  # hooked by another cache, and built from our config object
-        self._ensure_pool(model)
-        self._check_pool(device, model.dtype)
+        if self._binding.admit(model, device):
+            self._bind_layers()
         tokens = input_ids.tolist() if input_ids is not None else None
         rows = self._batch.rows
         if rows and batch != len(rows):
@@ -292,14 +261,12 @@ class PagedKVCache(_compat.Cache):
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         self._step_columns = q
         self._in_step = True
-
-    def _attention_kwargs(self) -> dict:
-        """What the forward passes down to the attention function this step: the step's metadata
-        and the pools."""
         return {"minipaged_step": self._batch.step, "minipaged_kv_caches": self.pool.kv_caches,
                 "minipaged_kv_scales": self.pool.kv_scales}
 
-    def _end_step(self) -> None:
+    def commit_forward(self) -> None:
+        """Called by the forward post-hook (also after a forward that raised): the sequence length
+        transformers sees grows by the step's columns."""
         if self._in_step:
             self._columns += self._step_columns
             self._in_step = False
@@ -309,85 +276,9 @@ class PagedKVCache(_compat.Cache):
             raise RuntimeError("PagedKVCache: cannot reorder during a forward")
         self._batch.regather(src_rows)
 
-    # ------------------------------------------------------------------ the pools
-
-    def _ensure_pool(self, model: torch.nn.Module) -> None:
-        """Allocate the pools for ``model`` (geometry from its attention modules) if not yet made."""
-        if self.pool is not None:
-            return
-        param = next(model.parameters())
-        dtype = self._dtype if self._dtype is not None else param.dtype
-        self._check_dtype(dtype, param.dtype)
-        device = self._device if self._device is not None else param.device
-        self._model_dtype = dtype
-        self.pool = KVPool(kv_geometry(model), self.block_manager, dtype=quantized.cache_dtype(self._kv_cache_dtype, dtype),
-                           device=device, calculate_kv_scales=self._calculate_kv_scales)
-        self.pool.mark_static()
+    def _bind_layers(self) -> None:
+        """Point each layer's ``keys``/``values`` at its pools, once they are made."""
+        device = self.pool.device
         for layer, (k, v) in zip(self.layers, self.pool.kv_caches):
             layer.keys, layer.values, layer.is_initialized = k, v, True
             layer.device = device
-
-    def _check_pool(self, device: torch.device, dtype: torch.dtype) -> None:
-        have = self.pool.device
-        if have.type != device.type or (device.index is not None and have.index != device.index):
-            raise ValueError(f"PagedKVCache pools are on {have} but the model runs on {device}")
-        self._check_dtype(self._model_dtype, dtype)
-
-    @staticmethod
-    def _check_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
-        if cache_dtype != model_dtype:
-            raise ValueError(_dtype_mismatch(cache_dtype, model_dtype))
-
-
-def _dtype_mismatch(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
-    name = lambda d: str(d).removeprefix("torch.")
-    return (
-        f"PagedKVCache: the cache holds {name(cache_dtype)} but the model computes in {name(model_dtype)}; "
-        f"build the cache with dtype=torch.{name(model_dtype)} (or leave dtype unset)"
-    )
-
-
-# ---------------------------------------------------------------------- hooks
-
-
-def attach_hooks(model: torch.nn.Module) -> None:
-    """Install the minipaged forward pre/post hooks on ``model`` once. They act only on calls
-    that receive a :class:`PagedKVCache`."""
-    if getattr(model, "_minipaged_hooks", None) is not None:
-        return
-    pre = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    post = model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
-    model._minipaged_hooks = (pre, post)
-
-
-def detach_hooks(model: torch.nn.Module) -> None:
-    """Remove the hooks :func:`attach_hooks` installed (a no-op if there are none)."""
-    handles = getattr(model, "_minipaged_hooks", None)
-    if handles is not None:
-        for h in handles:
-            h.remove()
-        model._minipaged_hooks = None
-
-
-@torch.compiler.disable
-def _pre_forward(module, args, kwargs):
-    cache = _compat.find_cache(args, kwargs)
-    if not isinstance(cache, PagedKVCache):
-        return None
-    impl = _compat.attention_implementation(module)
-    if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"PagedKVCache needs attn_implementation={ATTN_IMPLEMENTATION!r} but the model uses {impl!r}: "
-            f"import minipaged_ops.integration and call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
-        )
-    input_ids, inputs_embeds, attention_mask = _compat.find_inputs(args, kwargs)
-    cache._begin_step(module, input_ids, inputs_embeds, attention_mask)
-    return args, {**kwargs, **cache._attention_kwargs()}
-
-
-@torch.compiler.disable
-def _post_forward(module, args, kwargs, output):
-    cache = _compat.find_cache(args, kwargs)
-    if isinstance(cache, PagedKVCache):
-        cache._end_step()
-    return None

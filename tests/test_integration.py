@@ -387,6 +387,23 @@ def test_a_config_only_cache_binds_only_the_model_it_is_given():
     assert torch.equal(generate(first, "minipaged", ids, mask, late, max_new_tokens=5, do_sample=False), ref_first)
 
 
+def test_layers_hold_the_pools_however_the_cache_binds():
+    # transformers reads a layer's keys/values and device: the cache points them at its pools when
+    # it makes them, at construction from the model, at attach, or at a first forward that binds
+    model = tiny_model()
+    ids, mask = ragged_batch([5, 9], seed=20)
+    PagedKVCache(model, num_blocks=16, block_size=8)  # hooks the model
+    bound_at_forward = PagedKVCache(model.config, num_blocks=16, block_size=8)
+    assert bound_at_forward.pool is None and not any(layer.is_initialized for layer in bound_at_forward.layers)
+    generate(model, "minipaged", ids, mask, bound_at_forward, max_new_tokens=2, do_sample=False)
+    for cache in (PagedKVCache(model, num_blocks=16, block_size=8),
+                  PagedKVCache(model.config, num_blocks=16, block_size=8).attach(model), bound_at_forward):
+        assert len(cache.layers) == model.config.num_hidden_layers == len(cache.pool.kv_caches)
+        for layer, (keys, values) in zip(cache.layers, cache.pool.kv_caches):
+            assert layer.keys is keys and layer.values is values and layer.is_initialized
+            assert layer.device == cache.pool.device
+
+
 def test_unattached_model_raises_clear_error():
     model = tiny_model()
     other = Qwen3ForCausalLM(model.config.__class__(**model.config.to_dict())).eval()
