@@ -13,7 +13,8 @@ Importing it registers the ``"minipaged"`` attention implementation in transform
 Layout: ``kv_pool`` (the per-layer pools, the block manager, copies and swaps), ``planner`` (a
 step's metadata, host side), ``attention`` (what runs inside each layer), ``cache`` (the
 ``generate()`` adapter) with ``cache_batch`` (its batch's rows and the plan of each forward),
-``engine/`` (the serving engine).
+``cache_hooks`` (the forward hooks that drive it), ``cache_binding`` (the models it serves and
+their pools) and ``cache_layer`` (a layer's view), ``engine/`` (the serving engine).
 """
 
 from minipaged_ops.block_manager import OutOfBlocksError
