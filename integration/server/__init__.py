@@ -5,5 +5,6 @@
 
 from .app import build_app
 from .cli import main
+from .shutdown import GracefulServer
 
-__all__ = ["build_app", "main"]
+__all__ = ["GracefulServer", "build_app", "main"]

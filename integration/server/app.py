@@ -2,7 +2,8 @@
 /health, /metrics, /tokenize, /detokenize and /version, on an :class:`AsyncLLMEngine`.
 
 Bad requests get HTTP 400 with an OpenAI error object naming the field; a client that goes away
-(mid-stream or while waiting for a whole response) aborts its requests."""
+(mid-stream or while waiting for a whole response) aborts its requests; a shutdown refuses new
+requests and ends those in flight (``app.state.in_flight``, see :mod:`.shutdown`)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from ..engine.async_engine import EngineDeadError
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        error_body, message_dicts)
-from .responses import Formatter, GenerationError, collect, stream_events
-from .serving import Serving, close_all, merge
+from .responses import Formatter, GenerationError, ServerShuttingDown, collect, stream_events
+from .serving import Serving, close_all
+from .shutdown import InFlight
 
 
 def build_app(engine, served_model_name: str, *, model_path: Optional[str] = None) -> FastAPI:
@@ -37,8 +39,9 @@ def build_app(engine, served_model_name: str, *, model_path: Optional[str] = Non
                       default_sampling=_generation_defaults(llm.model))
     metrics = ServerMetrics(served_model_name)
     engine.add_stat_logger(metrics)
+    in_flight = InFlight()
     app = FastAPI(title="minipaged", version=__version__)
-    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    app.state.engine, app.state.metrics, app.state.serving, app.state.in_flight = engine, metrics, serving, in_flight
     created = int(time.time())
 
     @app.exception_handler(RequestError)
@@ -61,6 +64,10 @@ def build_app(engine, served_model_name: str, *, model_path: Optional[str] = Non
     async def generation_failed(_, e: GenerationError):
         return JSONResponse(error_body(str(e), kind="internal_server_error"), status_code=500)
 
+    @app.exception_handler(ServerShuttingDown)
+    async def shutting_down(_, e: ServerShuttingDown):
+        return JSONResponse(error_body(str(e), kind=e.kind), status_code=503)
+
     @app.exception_handler(ValueError)  # the engine refusing what the checks above let through
     async def engine_refused(_, e: ValueError):
         return JSONResponse(error_body(str(e)), status_code=400)
@@ -70,15 +77,17 @@ def build_app(engine, served_model_name: str, *, model_path: Optional[str] = Non
         return JSONResponse(error_body(str(e) or type(e).__name__, kind="internal_server_error"), status_code=500)
 
     async def respond(raw: Request, formatter: Formatter, prompts, params, request):
+        in_flight.check_open()
         streams = await serving.start(prompts, params, request.priority, formatter.id)  # refusals: HTTP errors
         prompt_tokens = sum(len(p) for p in prompts)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = stream_events(formatter, merge(streams), len(prompts) * params.n, prompt_tokens, include_usage)
+            events = stream_events(formatter, in_flight.pieces(streams), len(prompts) * params.n, prompt_tokens,
+                                   include_usage)
             return _AbortingStreamingResponse(events, media_type="text/event-stream",
                                               background=BackgroundTask(close_all, streams))
         try:
-            choices = await _until_disconnected(raw.receive, collect(formatter, merge(streams)))
+            choices = await _until_disconnected(raw.receive, collect(formatter, in_flight.pieces(streams)))
         finally:
             close_all(streams)
         if choices is None:  # the client is gone; its requests were aborted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 
@@ -20,6 +21,10 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long the requests in flight may go on (new ones are refused at "
+                        "once); then each is aborted, a stream ending with an error event saying the server is "
+                        "shutting down. Default 0, as vLLM's: at once")
     e = p.add_argument_group("engine (LLMEngine's arguments)")
     e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --kv-cache-memory)")
     e.add_argument("--kv-cache-memory", type=float, default=None,
@@ -58,12 +63,15 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     from ..engine import LLMEngine
     from ..engine.async_engine import AsyncLLMEngine
     from .app import build_app
+    from .shutdown import GracefulServer
 
     p = parser(prog)
     args = p.parse_args(argv)
     if args.calculate_kv_scales and not args.kv_cache_dtype.startswith("fp8"):
         p.error(f"--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2, "
                 f"got {args.kv_cache_dtype}")
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,
@@ -71,17 +79,21 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
                                         **engine_args(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    # uvicorn re-raises SIGTERM once it has stopped serving: end through the finally below, so the
-    # engine can stop what it started (a tensor-parallel engine's workers), as Ctrl-C does
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    # uvicorn re-raises the signal that stopped it once it has stopped serving: end through the
+    # finally below, so the engine can stop what it started (a tensor-parallel engine's workers),
+    # with the shell's exit status for a signal (128 + its number) and no traceback
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
     engine = AsyncLLMEngine(llm)
     app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model))
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+                            shutdown_timeout=args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # the open responses have ended and aborted their requests: the thread stops
         llm.shutdown()  # a tensor-parallel engine's workers
-    return 0
+    return 0 if server.started else 3  # 3: uvicorn's status for a server that could not start
 
 
 def _exit_on_signal(signum, frame):

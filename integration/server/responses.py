@@ -123,6 +123,13 @@ class GenerationError(RuntimeError):
     """The engine finished a completion with "error" (its failure repeated: see LLMEngine.step)."""
 
 
+class ServerShuttingDown(RuntimeError):
+    """A request refused, or ended before it finished, because the server is shutting down (an
+    OpenAI error of type "service_unavailable"; HTTP 503 when the response has not begun)."""
+
+    kind = "service_unavailable"
+
+
 def _entries(c) -> list:
     return [] if c.logprobs is None else list(zip(c.token_ids, c.logprobs))
 
@@ -167,9 +174,10 @@ async def stream_events(formatter: Formatter, pieces: AsyncIterator, num_choices
                                       include_usage=include_usage)
                 sent_chars[index] += len(c.text)
     except Exception as e:  # noqa: BLE001 - the response has begun: an error event, not a cut connection
-        if not isinstance(e, (EngineDeadError, GenerationError)):  # (a piece the engine could not make, say)
-            logger.exception("streamed response %s failed", formatter.id)
-        yield sse(error_body(str(e) or type(e).__name__, kind="internal_server_error"))
+        if not isinstance(e, (EngineDeadError, GenerationError, ServerShuttingDown)):  # unforeseen (a piece
+            logger.exception("streamed response %s failed", formatter.id)  # the engine could not make, say)
+        kind = ServerShuttingDown.kind if isinstance(e, ServerShuttingDown) else "internal_server_error"
+        yield sse(error_body(str(e) or type(e).__name__, kind=kind))
         yield DONE
         return
     finally:
