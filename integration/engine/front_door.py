@@ -5,8 +5,8 @@ and applied in order at the next step boundary, so ``add_request`` and ``abort_r
 at once even while another thread steps. The door is also the one place that knows which ids
 are taken (a request's id stays taken until its final output has been returned, so a late
 abort can never reach a newer request of the same id) and which outputs are owed to whom:
-``generate()`` runs steps on behalf of its own prompts and keeps the other requests' outputs
-here for the next ``step()``.
+every step posts its outputs here, the final ones of a ``generate()`` call's requests for that
+call, the rest for the next ``step()``.
 
 :func:`build_request` checks a request before anything is queued, so a rejected request leaves
 no trace.
@@ -18,6 +18,7 @@ import itertools
 import random
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -68,20 +69,22 @@ def build_request(engine, request_id, prompt_token_ids, params, priority) -> Req
 
 
 class FrontDoor:
-    """The command queue, the ids in use, the seeds, and the outputs kept for the next step().
+    """The command queue, the ids in use, the seeds, and the outputs owed to callers.
 
     ``seed`` seeds the generator that gives every request without ``SamplingParams.seed`` its own.
+    A step hands its outputs here (:meth:`post`) before anything else can interrupt it; they wait
+    until their caller takes them, so an interrupt between a step and its caller loses none.
     """
 
     def __init__(self, seed: int):
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []  # ("add", Request) | ("abort", id), applied in order
-        self._live_ids: set[str] = set()  # added, final output not yet returned by step()
+        self._live_ids: set[str] = set()  # added, final output not yet taken
         self._seeds = random.Random(seed)
         self._arrivals = itertools.count()
-        self._stash: list[RequestOutput] = []  # outputs generate() keeps for the next step()
-        self._awaited: set[str] = set()  # ids a generate() call waits on (another thread's step may end them)
-        self._owed: list[RequestOutput] = []  # their outputs, made by another caller's step
+        self._stepped: list[RequestOutput] = []  # posted, for the next step()
+        self._awaited: set[str] = set()  # ids a generate() call waits on (whoever's step ends them)
+        self._finals: dict[str, RequestOutput] = {}  # their final outputs, until that call takes them
         self._dropped: set[str] = set()  # generate() requests abandoned by an exception: never reported
 
     # ------------------------------------------------------------------ callers' side
@@ -122,6 +125,38 @@ class FrontDoor:
         """A number no other arrival gets (``generate()`` names its requests with one)."""
         return next(self._arrivals)
 
+    def take_stepped(self) -> list[RequestOutput]:
+        """step()'s outputs: all those posted that no generate() call awaits; the finished ones
+        free their ids."""
+        with self._lock:
+            outputs, self._stepped = self._stepped, []
+            self._live_ids.difference_update(o.request_id for o in outputs if o.finished)
+        return outputs
+
+    def finals(self, request_ids) -> dict[str, RequestOutput]:
+        """The final outputs posted so far of a generate() call's requests (left here until
+        :meth:`release`, so that an interrupted generate() loses none)."""
+        with self._lock:
+            return {i: self._finals[i] for i in request_ids if i in self._finals}
+
+    def release(self, request_ids) -> None:
+        """A generate() call has all its final outputs: its ids are free."""
+        with self._lock:
+            for i in request_ids:
+                self._finals.pop(i, None)
+            self._live_ids.difference_update(request_ids)
+            self._awaited.difference_update(request_ids)
+
+    def abandon(self, request_ids: list[str]) -> None:
+        """A failed generate(): its ids whose final output is in are free; the others are aborted
+        at the next step and never reported (their ids are freed when the abort goes through)."""
+        with self._lock:
+            ended = {i for i in request_ids if self._finals.pop(i, None) is not None}
+            self._awaited.difference_update(request_ids)
+            self._live_ids.difference_update(ended)
+            self._dropped.update(i for i in request_ids if i not in ended)
+            self._commands.extend(("abort", i) for i in request_ids if i not in ended)
+
     # ------------------------------------------------------------------ the step loop's side
 
     def take_commands(self) -> list[tuple[str, object]]:
@@ -136,58 +171,23 @@ class FrontDoor:
         with self._lock:
             self._commands[:0] = commands
 
-    def keep(self, output: RequestOutput) -> None:
-        """An output generate() received for a request not its own: the generate() call awaiting
-        it takes it, else the next step() returns it."""
-        with self._lock:
-            (self._owed if output.request_id in self._awaited else self._stash).append(output)
-
-    def take_owed(self, request_ids) -> list[RequestOutput]:
-        """The outputs of a generate() call's requests that another caller's step made."""
-        with self._lock:
-            taken = [o for o in self._owed if o.request_id in request_ids]
-            self._owed = [o for o in self._owed if o.request_id not in request_ids]
-        return taken
-
-    def deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """step()'s outputs: the kept ones first, those a generate() call awaits set aside for it;
-        the finished ones free their ids."""
-        with self._lock:
-            outputs, self._stash = self._stash + outputs, []
-            self._owed += [o for o in outputs if o.request_id in self._awaited]
-            outputs = [o for o in outputs if o.request_id not in self._awaited]
-            self._live_ids.difference_update(o.request_id for o in outputs if o.finished)
-        return outputs
-
-    def release(self, request_ids) -> None:
-        """Free the ids of requests whose final outputs generate() has returned."""
-        with self._lock:
-            self._live_ids.difference_update(request_ids)
-            self._awaited.difference_update(request_ids)
-
-    def abandon(self, request_ids: list[str], returned) -> None:
-        """A failed generate(): ``returned`` ids are free (and those whose final output waits in
-        the owed ones); the others are aborted at the next step and never reported (their ids are
-        freed when the abort goes through)."""
-        owed = self.take_owed(request_ids)
-        with self._lock:
-            returned = set(returned) | {o.request_id for o in owed if o.finished}
-            self._awaited.difference_update(request_ids)
-            self._live_ids.difference_update(returned)
-            self._dropped.update(i for i in request_ids if i not in returned)
-            self._commands.extend(("abort", i) for i in request_ids if i not in returned)
-
-    def without_dropped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Outputs minus those of requests a failed generate() abandoned (whose ids are free once
-        their abort has gone through)."""
-        if not self._dropped:
-            return outputs
-        kept = []
+    def post(self, outputs: list[RequestOutput], receipt: Optional[list] = None) -> None:
+        """A step's outputs (or a request ended between steps): owed from now on, to the
+        generate() call awaiting them (final ones only) or else to the next step(); those of
+        requests a failed generate() abandoned are dropped (freeing the id once final).
+        ``receipt`` gets True appended, in the same locked stretch, once they are in: a step
+        interrupted after that must not be undone."""
         with self._lock:
             for out in outputs:
-                if out.request_id not in self._dropped:
-                    kept.append(out)
-                elif out.finished:
-                    self._dropped.discard(out.request_id)
-                    self._live_ids.discard(out.request_id)
-        return kept
+                rid = out.request_id
+                if rid in self._dropped:
+                    if out.finished:
+                        self._dropped.discard(rid)
+                        self._live_ids.discard(rid)
+                elif rid in self._awaited:
+                    if out.finished:
+                        self._finals[rid] = out
+                else:
+                    self._stepped.append(out)
+            if receipt is not None:
+                receipt.append(True)

@@ -7,7 +7,8 @@
 Every :meth:`LLMEngine.step` is one iteration, all or nothing (``step_runner``): schedule, one
 packed forward (:meth:`LLMEngine.run_model`), sample; a step that raises is rolled back, and
 redoing it gives the same tokens. Between steps, ``request_table`` takes the queued requests in
-and ends the aborted ones.
+and ends the aborted ones. A step's outputs wait at the front door until their caller takes them,
+so an interrupt after a step loses none.
 
 The front door (``add_request``, ``abort_request``, ``has_unfinished_requests``, ``stats``) may be
 used from any thread while others step: requests and aborts are queued (``front_door``) and take
@@ -101,7 +102,7 @@ class LLMEngine:
         self._door = FrontDoor(seed)
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
         self.stats_log = StatsLog()
-        self.request_table = RequestTable(self.scheduler, self.stats_log, tokenizer)
+        self.request_table = RequestTable(self.scheduler, self.stats_log, self._door, tokenizer)
         max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
                                       self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)
@@ -196,31 +197,28 @@ class LLMEngine:
     def generate(self, prompts: Seq[Seq[int]], params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` (token id lists) to completion; outputs in the prompts' order.
         ``params``: one SamplingParams for all, or one per prompt. Outputs of other requests
-        (added with :meth:`add_request`) are kept for the next :meth:`step`."""
+        (added with :meth:`add_request`) are left for the next :meth:`step`."""
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"generate: {len(params)} SamplingParams for {len(prompts)} prompts")
         base = f"generate-{self._door.next_arrival()}-"
         requests = [build_request(self, f"{base}{i}", p, sp, 0) for i, (p, sp) in enumerate(zip(prompts, params))]
-        ids, results, bar = [r.request_id for r in requests], {}, None
-        wanted = set(ids)  # looked up for every output of every step
+        ids, bar, done = [r.request_id for r in requests], None, 0
         self._door.queue(requests, awaited=True)
         try:  # from here on, whatever raises (the bar too) leaves none of them running or holding its id
             bar = _progress(len(ids), use_tqdm)
-            while len(results) < len(ids):
-                done, outputs = len(results), self._step()
-                for out in self._door.take_owed(wanted) + outputs:  # all taken in before the bar moves (it may raise)
-                    if out.request_id not in results and out.request_id in wanted:
-                        if out.finished:
-                            results[out.request_id] = out
-                    else:
-                        self._door.keep(out)
+            while True:  # whoever's step ends them, their final outputs wait at the door until released
+                results = self._door.finals(ids)
                 if bar is not None and len(results) > done:
                     bar.update(len(results) - done)
+                done = len(results)
+                if done == len(ids):
+                    break
+                self._step()
             self._door.release(ids)
         except BaseException:  # the unfinished ones are aborted at the next step and never reported
-            self._door.abandon(ids, results)
+            self._door.abandon(ids)
             raise
         finally:
             if bar is not None:
@@ -239,21 +237,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one packed forward, sample. Returns the requests that
-        changed (new tokens, finished, aborted or errored). If anything inside raises, the step is
-        rolled back and the exception re-raised; the next step goes on."""
-        return self._door.deliver(self._step())
+        changed (new tokens, finished, aborted or errored), with those of earlier steps that were
+        interrupted before handing theirs out. If anything inside raises, the step is rolled back
+        and the exception re-raised; the next step goes on."""
+        self._step()
+        return self._door.take_stepped()
 
     @torch.inference_mode()
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> None:
+        """One iteration; its outputs are posted to the door (whose callers take them)."""
         with self.step_lock:
             try:
                 self.request_table.apply(self._door.take_commands(), self._door.requeue)
             except BaseException:
                 self.stats_log.counters["failed_steps"] += 1
                 raise
-            changed = self.step_runner.run(self.run_model)  # a failed step is rolled back and re-raised
-            ended = self.request_table.take_ended()  # after a failed step, they wait for the next one
-            return self._door.without_dropped([req.output() for req in ended + changed])
+            self.step_runner.run(self.run_model)  # a failed step is rolled back and re-raised
 
     def run_model(self, meta) -> torch.Tensor:
         """The model on one packed step: logits of the rows ``meta.logits_indices`` names (the

@@ -3,8 +3,9 @@ and ending them.
 
 A request is in the table from the step that applies its "add" command until it ends: in a
 step's commit when all its completions have finished (:meth:`RequestTable.complete`), or
-outside one, by an abort or after failing too often (:meth:`RequestTable.end`; reported with
-the next step's outputs). Ending a request frees its blocks at once.
+outside one, by an abort or after failing too often (:meth:`RequestTable.end`). Ending a request
+frees its blocks at once. Outputs go to the front door (:meth:`RequestTable.report`) the moment
+they are made, where they wait for their callers.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ logger = logging.getLogger(__name__)
 
 class RequestTable:
     """``unfinished``: request id -> request, for every request applied and not yet ended.
-    ``tokenizer``: when given, every sequence gets a detokenizer (text and stop strings)."""
+    ``front_door``: where outputs are posted. ``tokenizer``: when given, every sequence gets a
+    detokenizer (text and stop strings)."""
 
-    def __init__(self, scheduler, stats_log: StatsLog, tokenizer=None):
+    def __init__(self, scheduler, stats_log: StatsLog, front_door, tokenizer=None):
         self.scheduler, self.stats_log, self.tokenizer = scheduler, stats_log, tokenizer
+        self.front_door = front_door
         self.unfinished: dict[str, Request] = {}
-        self._ended: list[Request] = []  # ended outside a step's commit: reported by the next step
 
     def apply(self, commands, requeue) -> None:
         """The front door's commands, in order: ``("add", Request)`` or ``("abort", request_id)``
@@ -103,10 +105,14 @@ class RequestTable:
         del self.unfinished[req.request_id]
         self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs), "finished")
 
+    def report(self, requests: list[Request], receipt=None) -> None:
+        """Post the outputs of ``requests`` to the front door (see FrontDoor.post: ``receipt``)."""
+        self.front_door.post([req.output() for req in requests], receipt)
+
     def end(self, req: Request, reason: str) -> None:
-        """End a request outside a step's commit (abort, error): free its blocks now, report it
-        with the next step's outputs. It ends even if a detokenizer cannot finish its text (else
-        it would stay half-ended, blocks freed but id taken, for good)."""
+        """End a request outside a step's commit (abort, error): free its blocks and report it
+        now. It ends even if a detokenizer cannot finish its text (else it would stay half-ended,
+        blocks freed but id taken, for good)."""
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
                 self.scheduler.finish(seq, reason)
@@ -118,14 +124,11 @@ class RequestTable:
                                      req.request_id)
         req.metrics.finished_time = time.perf_counter()
         del self.unfinished[req.request_id]
-        self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs),
-                                  "aborted" if reason == "abort" else reason)
-        self._ended.append(req)
-
-    def take_ended(self) -> list[Request]:
-        """The requests ended outside a commit since the last call (the step reports them)."""
-        ended, self._ended = self._ended, []
-        return ended
+        try:
+            self.report([req])
+        finally:  # it has ended, whatever interrupts its report
+            self.stats_log.record_end(req.metrics, max(len(s.output_ids) for s in req.seqs),
+                                      "aborted" if reason == "abort" else reason)
 
 
 def _plain_sequence(req: Request, index: int, token_ids: list[int]) -> Sequence:

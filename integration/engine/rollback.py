@@ -1,9 +1,9 @@
 """What a step may change, saved before it runs, so that a failed step can be undone.
 
 A step changes its sequences (tokens, logprobs, text, finish), their requests (completions forked
-at the first sample, prompt logprobs, timestamps, the registry of unfinished requests) and the
-counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the step's sequences for
-recompute; the block manager forgets what the step wrote.
+at the first sample, prompt logprobs, timestamps, failures in a row, the registry of unfinished
+requests) and the counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the
+step's sequences for recompute; the block manager forgets what the step wrote.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class _SequenceState:
 @dataclass(frozen=True)
 class _RequestState:
     req: Request
+    failures: int
     num_seqs: int
     forked: bool
     first_token_time: Optional[float]
@@ -57,7 +58,7 @@ class StepSnapshot:
             requests[id(seq.request)] = seq.request
         for req in requests.values():
             self._requests.append(_RequestState(
-                req, len(req.seqs), req.forked, req.metrics.first_token_time, req.metrics.finished_time,
+                req, req.failures, len(req.seqs), req.forked, req.metrics.first_token_time, req.metrics.finished_time,
                 None if req.prompt_logprobs is None else len(req.prompt_logprobs)))
 
     def restore(self, scheduled: list, scheduler, registry: dict, stats_log: StatsLog, replay_detokenizer) -> None:
@@ -71,6 +72,7 @@ class StepSnapshot:
                 scheduler.discard(child)
             del req.seqs[state.num_seqs:]
             req.forked = state.forked
+            req.failures = state.failures
             req.metrics.first_token_time = state.first_token_time
             req.metrics.finished_time = state.finished_time
             if state.num_prompt_logprobs is not None:

@@ -5,6 +5,8 @@ the forward gave (prompt logprobs, the sampler's tokens, finished and forked seq
 Whatever raises inside a step rolls it back from the snapshot taken before it
 (:meth:`StepRunner.roll_back`): its sequences are requeued as for a recompute, and since every
 draw is a function of the sequence's seed and position, redoing the step gives the same tokens.
+A step stands once its outputs are posted to the front door: what raises after that (Ctrl-C)
+undoes nothing, and the outputs wait there for their callers.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class StepRunner:
 
     def run(self, run_model: Callable[[StepMetadata], torch.Tensor]) -> list[Request]:
         """Schedule, plan, ``run_model(meta)`` (the logits of ``meta.logits_indices``) and commit
-        one step; returns the requests that changed. If anything raises, the step is rolled back
-        and the exception re-raised."""
+        one step and post its outputs; returns the requests that changed. If anything raises
+        before the outputs are posted, the step is rolled back and the exception re-raised."""
         scheduled: list = []
         snapshot = StepSnapshot(self.scheduler, self.stats_log)
+        posted: list = []  # True once the outputs are in: from then on the step stands
         try:
             self.scheduler.schedule(scheduled)
             if not scheduled:
@@ -52,11 +55,13 @@ class StepRunner:
             self.pool.apply_copies()
             meta = plan_step(self.pool.block_manager, [c for _, c in scheduled], self.device)
             changed = self._commit(scheduled, meta, run_model(meta))
+            for seq, _ in scheduled:
+                seq.request.failures = 0
+            self.request_table.report(changed, posted)
         except BaseException:
-            self.roll_back(scheduled, snapshot)
+            if not posted:
+                self.roll_back(scheduled, snapshot)
             raise
-        for seq, _ in scheduled:
-            seq.request.failures = 0
         return changed
 
     def _commit(self, scheduled: list, meta: StepMetadata, logits: torch.Tensor) -> list[Request]:
