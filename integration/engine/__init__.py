@@ -11,8 +11,10 @@ all or nothing; ``scheduler`` picks each step's chunks; ``sampler`` turns logits
 """
 
 from .async_engine import AsyncLLMEngine
+from .front_door import EngineDeadError
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineDeadError", "LLMEngine", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]

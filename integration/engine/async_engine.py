@@ -169,6 +169,8 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
+                except EngineDeadError:  # the engine itself is dead (its rollback failed): no retry
+                    raise
                 except Exception:
                     failures += 1
                     before, errored = errored, self.engine.stats()["errored"]

@@ -6,7 +6,7 @@ at once even while another thread steps. The door is also the one place that kno
 are taken (a request's id stays taken until its final output has been returned, so a late
 abort can never reach a newer request of the same id) and which outputs are owed to whom:
 every step posts its outputs here, the final ones of a ``generate()`` call's requests for that
-call, the rest for the next ``step()``.
+call, the rest for the next ``step()``. And it is where a dead engine refuses every later call.
 
 :func:`build_request` checks a request before anything is queued, so a rejected request leaves
 no trace.
@@ -26,7 +26,7 @@ from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Request
 
-__all__ = ["FrontDoor", "build_request", "is_int"]
+__all__ = ["EngineDeadError", "FrontDoor", "build_request", "is_int"]
 
 
 def is_int(x) -> bool:
@@ -68,6 +68,11 @@ def build_request(engine, request_id, prompt_token_ids, params, priority) -> Req
                    metrics=RequestMetrics(time.perf_counter()), eos_token_ids=engine.eos_token_ids)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can take no more calls: its thread has stopped (``AsyncLLMEngine``), or a
+    failed step could not be undone and its state no longer holds together (``LLMEngine``)."""
+
+
 class FrontDoor:
     """The command queue, the ids in use, the seeds, and the outputs owed to callers.
 
@@ -86,6 +91,7 @@ class FrontDoor:
         self._awaited: set[str] = set()  # ids a generate() call waits on (whoever's step ends them)
         self._finals: dict[str, RequestOutput] = {}  # their final outputs, until that call takes them
         self._dropped: set[str] = set()  # generate() requests abandoned by an exception: never reported
+        self._dead: Optional[EngineDeadError] = None  # once set, the engine takes no more calls
 
     # ------------------------------------------------------------------ callers' side
 
@@ -93,6 +99,7 @@ class FrontDoor:
         """Queue validated requests for the next step boundary, all or none (``awaited``: by a
         generate() call, which gets their outputs whoever's step makes them)."""
         with self._lock:
+            self._check_alive()
             ids = [r.request_id for r in requests]
             taken = [i for i in ids if i in self._live_ids]
             if taken or len(set(ids)) != len(ids):
@@ -114,11 +121,13 @@ class FrontDoor:
 
     def has_live_requests(self) -> bool:
         with self._lock:
+            self._check_alive()
             return bool(self._live_ids)
 
     def num_queued_adds(self) -> int:
         """Requests added but not yet taken by a step."""
         with self._lock:
+            self._check_alive()
             return sum(kind == "add" for kind, _ in self._commands)
 
     def next_arrival(self) -> int:
@@ -157,6 +166,15 @@ class FrontDoor:
             self._dropped.update(i for i in request_ids if i not in ended)
             self._commands.extend(("abort", i) for i in request_ids if i not in ended)
 
+    def check_alive(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine has stopped taking calls."""
+        with self._lock:
+            self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:  # a fresh error per caller, one message
+            raise EngineDeadError(*self._dead.args) from self._dead.__cause__
+
     # ------------------------------------------------------------------ the step loop's side
 
     def take_commands(self) -> list[tuple[str, object]]:
@@ -191,3 +209,9 @@ class FrontDoor:
                     self._stepped.append(out)
             if receipt is not None:
                 receipt.append(True)
+
+    def kill(self, error: EngineDeadError) -> None:
+        """Take no more calls: from now on they raise ``error`` (its message and cause)."""
+        with self._lock:
+            if self._dead is None:
+                self._dead = error

@@ -8,7 +8,8 @@ Every :meth:`LLMEngine.step` is one iteration, all or nothing (``step_runner``):
 packed forward (:meth:`LLMEngine.run_model`), sample; a step that raises is rolled back, and
 redoing it gives the same tokens. Between steps, ``request_table`` takes the queued requests in
 and ends the aborted ones. A step's outputs wait at the front door until their caller takes them,
-so an interrupt after a step loses none.
+so an interrupt after a step loses none; a step whose rollback fails leaves an engine that raises
+``EngineDeadError`` on every later call.
 
 The front door (``add_request``, ``abort_request``, ``has_unfinished_requests``, ``stats``) may be
 used from any thread while others step: requests and aborts are queued (``front_door``) and take
@@ -29,7 +30,7 @@ from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, check_full_attention, kv_geometry
 from .engine_args import check_engine_args, eos_token_ids, pool_blocks, text_config
-from .front_door import FrontDoor, build_request
+from .front_door import EngineDeadError, FrontDoor, build_request
 from .outputs import RequestOutput
 from .request_table import RequestTable
 from .sampler import Sampler
@@ -191,8 +192,14 @@ class LLMEngine:
         self._door.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether some request added has not had its final output returned yet."""
+        """Whether some request added has not had its final output returned yet (EngineDeadError
+        once the engine has stopped, see :meth:`check_health`)."""
         return self._door.has_live_requests()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine takes no more calls (a failed step could not be
+        rolled back): then step, generate, add_request, stats and has_unfinished_requests raise it."""
+        self._door.check_alive()
 
     def generate(self, prompts: Seq[Seq[int]], params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` (token id lists) to completion; outputs in the prompts' order.
@@ -230,7 +237,7 @@ class LLMEngine:
         percentiles (seconds) over the requests that ended in the last ``window_s`` seconds (None:
         all), with finished, aborted and errored requests counted apart. Safe from any thread
         (it waits for a running step to end)."""
-        with self.step_lock:
+        with self.step_lock:  # (EngineDeadError on a dead engine, from the door)
             return self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
 
     # ------------------------------------------------------------------ one iteration
@@ -239,7 +246,8 @@ class LLMEngine:
         """One iteration: schedule, run one packed forward, sample. Returns the requests that
         changed (new tokens, finished, aborted or errored), with those of earlier steps that were
         interrupted before handing theirs out. If anything inside raises, the step is rolled back
-        and the exception re-raised; the next step goes on."""
+        and the exception re-raised; the next step goes on. If the rollback fails too, it raises
+        EngineDeadError, as does every later call."""
         self._step()
         return self._door.take_stepped()
 
@@ -247,12 +255,17 @@ class LLMEngine:
     def _step(self) -> None:
         """One iteration; its outputs are posted to the door (whose callers take them)."""
         with self.step_lock:
+            self._door.check_alive()
             try:
                 self.request_table.apply(self._door.take_commands(), self._door.requeue)
             except BaseException:
                 self.stats_log.counters["failed_steps"] += 1
                 raise
-            self.step_runner.run(self.run_model)  # a failed step is rolled back and re-raised
+            try:
+                self.step_runner.run(self.run_model)  # a failed step is rolled back and re-raised
+            except EngineDeadError as dead:  # its rollback failed: the door refuses every later call
+                self._door.kill(dead)
+                raise
 
     def run_model(self, meta) -> torch.Tensor:
         """The model on one packed step: logits of the rows ``meta.logits_indices`` names (the

@@ -6,7 +6,8 @@ Whatever raises inside a step rolls it back from the snapshot taken before it
 (:meth:`StepRunner.roll_back`): its sequences are requeued as for a recompute, and since every
 draw is a function of the sequence's seed and position, redoing the step gives the same tokens.
 A step stands once its outputs are posted to the front door: what raises after that (Ctrl-C)
-undoes nothing, and the outputs wait there for their callers.
+undoes nothing, and the outputs wait there for their callers. If the rollback itself fails, the
+engine's state no longer holds together: the step raises :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..planner import StepMetadata, plan_step
+from .front_door import EngineDeadError
 from .request_table import RequestTable
 from .rollback import StepSnapshot
 from .sequence import Request, Sequence, Status
@@ -58,11 +60,19 @@ class StepRunner:
             for seq, _ in scheduled:
                 seq.request.failures = 0
             self.request_table.report(changed, posted)
-        except BaseException:
+        except BaseException as failure:
             if not posted:
-                self.roll_back(scheduled, snapshot)
+                self._roll_back_or_die(scheduled, snapshot, failure)
             raise
         return changed
+
+    def _roll_back_or_die(self, scheduled: list, snapshot: StepSnapshot, failure: BaseException) -> None:
+        try:
+            self.roll_back(scheduled, snapshot)
+        except BaseException as err:  # half undone: no later step could be trusted
+            raise EngineDeadError(
+                f"a step failed ({failure!r}) and rolling it back failed too ({err!r}): the engine's requests, "
+                "KV blocks and counters no longer agree, so it takes no more calls; build a new engine") from err
 
     def _commit(self, scheduled: list, meta: StepMetadata, logits: torch.Tensor) -> list[Request]:
         """Count, sample and accept the step's tokens; returns the requests that changed."""

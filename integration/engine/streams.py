@@ -10,11 +10,11 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .front_door import EngineDeadError  # (defined there: LLMEngine raises it too)
+
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine's thread has stopped; no request can make progress."""
+__all__ = ["Command", "CompletionDelta", "EngineDeadError", "RequestDelta", "RequestStream"]
 
 
 @dataclass
