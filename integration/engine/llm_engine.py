@@ -30,6 +30,7 @@ from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, check_full_attention, kv_geometry
 from .engine_args import check_engine_args, eos_token_ids, pool_blocks, text_config
+from .engine_parts import EngineParts
 from .front_door import EngineDeadError, FrontDoor, build_request
 from .outputs import RequestOutput
 from .request_table import RequestTable
@@ -42,7 +43,7 @@ from .step_runner import MAX_FAILURES, StepRunner
 __all__ = ["LLMEngine"]
 
 
-class LLMEngine:
+class LLMEngine(EngineParts):
     """Continuous batching over a pool of ``num_blocks`` KV blocks.
 
     Args:
@@ -137,45 +138,6 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    # ------------------------------------------------------------------ what the engine holds, for readers
-
-    @property
-    def block_manager(self):
-        return self.pool.block_manager
-
-    @property
-    def kv_caches(self):
-        return self.pool.kv_caches
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        return self.pool.bytes_per_block
-
-    @property
-    def tokenizer(self):
-        return self.request_table.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence (prompt + generated) the engine runs."""
-        return self.step_runner.max_model_len
-
-    @property
-    def sampler(self) -> Sampler:
-        return self.step_runner.sampler
-
-    @sampler.setter
-    def sampler(self, sampler) -> None:  # a wrapper that records or fails (bench, fault injection)
-        self.step_runner.sampler = sampler
 
     # ------------------------------------------------------------------ the front door
 

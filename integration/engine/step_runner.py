@@ -42,7 +42,7 @@ class StepRunner:
 
     def run(self, run_model: Callable[[StepMetadata], torch.Tensor]) -> list[Request]:
         """Schedule, plan, ``run_model(meta)`` (the logits of ``meta.logits_indices``) and commit
-        one step and post its outputs; returns the requests that changed. If anything raises
+        one step, posting its outputs last; returns the requests that changed. If anything raises
         before the outputs are posted, the step is rolled back and the exception re-raised."""
         scheduled: list = []
         snapshot = StepSnapshot(self.scheduler, self.stats_log)
