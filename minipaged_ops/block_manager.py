@@ -19,21 +19,26 @@ child's later copy-on-write copies whatever the shared block holds at copy time.
 
 Its parts, one module each: :mod:`~minipaged_ops.free_pool` (where unreferenced blocks wait and
 which one an allocation takes), :mod:`~minipaged_ops.prefix_cache` (the index of full blocks by
-content) and :mod:`~minipaged_ops.block_tables` (the int32 mirror that makes a step's block
-tables one gather). This module keeps sequences, reference counts, copy-on-write and forking.
+content), :mod:`~minipaged_ops.block_tables` (the int32 mirror that makes a step's block
+tables one gather), :mod:`~minipaged_ops.sequence_state` (what is kept per sequence),
+:mod:`~minipaged_ops.admission` (how many blocks a batch would take, answered without changing
+anything) and :mod:`~minipaged_ops.audit` (occupancy and the invariant check). This module keeps
+sequences, reference counts, copy-on-write and forking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from .admission import Admission
+from .audit import BlockAudit
 from .block_tables import BlockTables
 from .free_pool import FreePool
 from .prefix_cache import PrefixCache
+from .sequence_state import SequenceState, normalize_tokens
 
 __all__ = ["KVBlockManager", "OutOfBlocksError"]
 
@@ -45,18 +50,6 @@ class OutOfBlocksError(RuntimeError):
         super().__init__(message)
         self.needed = needed
         self.free = free
-
-
-@dataclass
-class _Seq:
-    """One live sequence."""
-
-    row: int  # row in BlockTables
-    blocks: list = field(default_factory=list)  # logical block index -> physical block id
-    length: int = 0  # tokens stored
-    tokens: Optional[list] = None  # token ids while all are known and caching is on, else None
-    num_hashed: int = 0  # leading full blocks already offered to the prefix cache
-    chain: Optional[tuple] = None  # the prefix cache's link for the next full block
 
 
 class KVBlockManager:
@@ -84,6 +77,12 @@ class KVBlockManager:
         self._pool = FreePool(n, self._prefix_cache)
         self._block_tables = BlockTables()
         self._seqs: dict = {}
+        # The read-only parts get the containers above by reference; they are rebuilt here
+        # because reset replaces those containers.
+        self._admission = Admission(self.block_size, self.enable_prefix_caching, self._ref,
+                                    self._prefix_cache, self._get)
+        self._audit = BlockAudit(n, self.block_size, self._seqs, self._ref, self._pool,
+                                 self._prefix_cache, self._block_tables)
 
     # ------------------------------------------------------------------ queries
 
@@ -129,37 +128,15 @@ class KVBlockManager:
     # ------------------------------------------------------------------ batch accounting
 
     def cached_prefix_length(self, token_ids) -> int:
-        """Leading tokens of a prompt that :meth:`create_sequence` would find cached now (a
-        multiple of ``block_size``, less than the prompt length; 0 without prefix caching)."""
-        tokens, _ = _normalize_tokens(token_ids, None)
-        if not self.enable_prefix_caching:
-            return 0
-        return len(self._prefix_cache.lookup(tokens)[0]) * self.block_size
+        """Leading tokens of a prompt that :meth:`create_sequence` would find cached now (see
+        :meth:`Admission.cached_prefix_length <minipaged_ops.admission.Admission.cached_prefix_length>`)."""
+        return self._admission.cached_prefix_length(token_ids)
 
     def blocks_needed_to_allocate(self, prompts: Sequence) -> int:
         """Blocks that creating every prompt (token ids, or a token count) in order takes from
-        the free pool: an upper bound, exact for one prompt.
-
-        The first prompt's hits count exactly (a cached-but-free hit comes out of the pool).
-        For later prompts only hits on referenced blocks before their first cached-but-free hit
-        are certain (an earlier prompt's allocation may evict that block and cut the chain), so
-        the rest count as misses; sharing between prompts of the batch is not counted."""
-        needed = 0
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool):
-                tokens, n = _normalize_tokens(None, prompt)
-            else:
-                tokens, n = _normalize_tokens(prompt, None)
-            track = self.enable_prefix_caching and tokens is not None
-            hits = self._prefix_cache.lookup(tokens)[0] if track else []
-            certain = 0
-            for b in hits:
-                if self._ref[b] == 0 and i > 0:
-                    break
-                certain += 1
-            from_pool = sum(1 for b in hits[:certain] if self._ref[b] == 0)
-            needed += -(-n // self.block_size) - certain + from_pool
-        return needed
+        the free pool: an upper bound, exact for one prompt (see
+        :meth:`Admission.blocks_needed_to_allocate <minipaged_ops.admission.Admission.blocks_needed_to_allocate>`)."""
+        return self._admission.blocks_needed_to_allocate(prompts)
 
     def can_allocate(self, prompts: Sequence) -> bool:
         """Whether creating every prompt in order fits in the free pool (see
@@ -168,30 +145,9 @@ class KVBlockManager:
 
     def blocks_needed_to_append(self, appends) -> int:
         """Blocks that appending ``n`` tokens to each sequence of ``appends`` (pairs
-        ``(seq_id, n)``, distinct ids) takes from the free pool: new blocks plus copy-on-write
-        copies. Exact, whatever the order of the appends.
-
-        ``k`` sequences appending into one shared last block held ``r`` times copy ``k`` times if
-        ``r > k``, else ``k - 1`` times (the last writer owns the block alone by then)."""
-        bs = self.block_size
-        needed = 0
-        writers: dict[int, int] = {}  # shared last block -> sequences appending into it
-        seen = set()
-        for seq_id, n in appends:
-            if seq_id in seen:
-                raise ValueError(f"appends: sequence {seq_id!r} appears twice")
-            seen.add(seq_id)
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise ValueError(f"appends: token count for {seq_id!r} must be a non-negative int, got {n!r}")
-            seq = self._get(seq_id)
-            if n == 0:
-                continue
-            needed += -(-(seq.length + n) // bs) - len(seq.blocks)
-            if seq.length % bs and self._ref[seq.blocks[-1]] > 1:
-                writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
-        for block, k in writers.items():
-            needed += k if self._ref[block] > k else k - 1
-        return needed
+        ``(seq_id, n)``, distinct ids) takes from the free pool, copy-on-write copies included;
+        exact (see :meth:`Admission.blocks_needed_to_append <minipaged_ops.admission.Admission.blocks_needed_to_append>`)."""
+        return self._admission.blocks_needed_to_append(appends)
 
     def can_append(self, appends) -> bool:
         """Whether :meth:`blocks_needed_to_append` fits in the free pool."""
@@ -209,7 +165,7 @@ class KVBlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        tokens, n = _normalize_tokens(token_ids, num_tokens)
+        tokens, n = normalize_tokens(token_ids, num_tokens)
         track = self.enable_prefix_caching and tokens is not None
         hits, chain = self._prefix_cache.lookup(tokens) if track else ([], None)
 
@@ -222,7 +178,7 @@ class KVBlockManager:
         for b in hits:
             self._pool.claim(b)
             self._ref[b] += 1
-        seq = _Seq(row=self._block_tables.take_row(), tokens=tokens if track else None,
+        seq = SequenceState(row=self._block_tables.take_row(), tokens=tokens if track else None,
                    num_hashed=len(hits), chain=chain)
         self._seqs[seq_id] = seq
         for b in hits:
@@ -266,7 +222,7 @@ class KVBlockManager:
         All-or-nothing: raises OutOfBlocksError before changing anything if the pool is short.
         """
         seq = self._get(seq_id)
-        tokens, n = _normalize_tokens(token_ids, num_tokens)
+        tokens, n = normalize_tokens(token_ids, num_tokens)
         bs = self.block_size
         needed = -(-(seq.length + n) // bs) - len(seq.blocks)
         if n and seq.length % bs and self._ref[seq.blocks[-1]] > 1:
@@ -281,7 +237,7 @@ class KVBlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
-        child = _Seq(row=self._block_tables.take_row(), blocks=list(parent.blocks), length=parent.length,
+        child = SequenceState(row=self._block_tables.take_row(), blocks=list(parent.blocks), length=parent.length,
                      tokens=None if parent.tokens is None else list(parent.tokens),
                      num_hashed=parent.num_hashed, chain=parent.chain)
         self._seqs[child_id] = child
@@ -330,64 +286,22 @@ class KVBlockManager:
         seq_lens = torch.from_numpy(np.fromiter([s.length for s in seqs], np.int32, len(seqs)))
         return _to(block_tables, device), _to(seq_lens, device)
 
-    # ------------------------------------------------------------------ accounting
+    # ------------------------------------------------------------------ audit
 
     def usage(self) -> dict:
-        """Pool occupancy. ``tokens_stored`` counts distinct filled slots (shared ones once);
-        ``tokens_logical`` sums sequence lengths; ``slots_wasted`` are empty slots of used blocks."""
-        bs = self.block_size
-        fill: dict[int, int] = {}
-        for seq in self._seqs.values():
-            for i, b in enumerate(seq.blocks):
-                fill[b] = min(bs, seq.length - i * bs)
-        used = sum(1 for r in self._ref if r > 0)
-        stored = sum(fill.values())
-        return {
-            "blocks_total": self.num_blocks,
-            "blocks_used": used,
-            "blocks_free": self.num_free_blocks,
-            "blocks_cached_free": self._pool.num_cached_free,
-            "blocks_awaiting_copy": self._pool.num_awaiting_copy,
-            "blocks_shared": sum(1 for r in self._ref if r > 1),
-            "blocks_cached": self._prefix_cache.num_registered,
-            "sequences": len(self._seqs),
-            "tokens_stored": stored,
-            "tokens_logical": sum(s.length for s in self._seqs.values()),
-            "slots_wasted": used * bs - stored,
-        }
+        """Pool occupancy (see :meth:`BlockAudit.usage <minipaged_ops.audit.BlockAudit.usage>`)."""
+        return self._audit.usage()
 
     def invariants_ok(self) -> bool:
         return not self.invariant_violations()
 
     def invariant_violations(self) -> list[str]:
         """Human-readable list of broken invariants (empty when all hold)."""
-        bad: list[str] = []
-        n, bs = self.num_blocks, self.block_size
-        refs = [0] * n
-        for sid, seq in self._seqs.items():
-            if len(seq.blocks) != -(-seq.length // bs):
-                bad.append(f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.length} tokens")
-            for b in seq.blocks:
-                if not 0 <= b < n:
-                    bad.append(f"seq {sid!r}: block id {b} out of range")
-                else:
-                    refs[b] += 1
-            if not self._block_tables.row_matches(seq.row, seq.blocks):
-                bad.append(f"seq {sid!r}: numpy mirror out of sync")
-            if seq.tokens is not None:  # registered blocks must hold the tokens of every user
-                for b in self._prefix_cache.blocks_holding_other_tokens(
-                        seq.blocks[: seq.length // bs], seq.tokens):
-                    bad.append(f"seq {sid!r}: cached block {b} holds other tokens")
-        if refs != self._ref:
-            bad.append("reference counts differ from table entries: "
-                       f"{[(b, self._ref[b], refs[b]) for b in range(n) if refs[b] != self._ref[b]]}")
-        bad += self._pool.invariant_violations(refs)
-        bad += self._prefix_cache.invariant_violations()
-        return bad
+        return self._audit.invariant_violations()
 
     # ------------------------------------------------------------------ internals
 
-    def _get(self, seq_id) -> _Seq:
+    def _get(self, seq_id) -> SequenceState:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -407,7 +321,7 @@ class KVBlockManager:
         self._ref[b] = 1
         return b
 
-    def _copy_on_write(self, seq: _Seq, seq_id) -> int:
+    def _copy_on_write(self, seq: SequenceState, seq_id) -> int:
         self._check_free(1, f"copy-on-write for sequence {seq_id!r}")
         old = seq.blocks[-1]
         new = self._take_block()
@@ -417,11 +331,11 @@ class KVBlockManager:
         self._pool.record_copy(old, new)
         return new
 
-    def _push_block(self, seq: _Seq, b: int) -> None:
+    def _push_block(self, seq: SequenceState, b: int) -> None:
         self._block_tables.set_block(seq.row, len(seq.blocks), b)
         seq.blocks.append(b)
 
-    def _register_full_blocks(self, seq: _Seq) -> None:
+    def _register_full_blocks(self, seq: SequenceState) -> None:
         """Offer the sequence's newly full blocks to the prefix cache."""
         if seq.tokens is None:
             return
@@ -431,23 +345,6 @@ class KVBlockManager:
             chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
             seq.chain = self._prefix_cache.register(seq.chain, chunk, seq.blocks[i])
             seq.num_hashed += 1
-
-
-def _normalize_tokens(token_ids, num_tokens) -> tuple[Optional[list], int]:
-    if token_ids is None:
-        n = 0 if num_tokens is None else num_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        return ([] if n == 0 else None), int(n)  # an empty prompt's ids are all known
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        tokens = token_ids.tolist()
-    else:
-        tokens = [int(t) for t in token_ids]
-    if num_tokens is not None and num_tokens != len(tokens):
-        raise ValueError(f"num_tokens={num_tokens} but {len(tokens)} token_ids were given")
-    return tokens, len(tokens)
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:
