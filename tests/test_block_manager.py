@@ -574,3 +574,47 @@ def test_exhaustion_is_clear_and_changes_nothing():
     with pytest.raises(OutOfBlocksError, match=r"needs 1 block\(s\) but 0 of 4"):
         m.append_token("a", 4)
     assert snapshot(m) == before and m.invariants_ok()
+
+
+# The audit itself: every test above checks it on healthy managers; these break one thing each
+# (reaching into the manager's state, which only a test may do) and expect it named.
+def _healthy_manager():
+    m = KVBlockManager(8, 4, enable_prefix_caching=True)
+    m.create_sequence("a", token_ids=[1, 2, 3, 4, 5, 6])  # one full block (cached) and a partial one
+    m.fork("a", "b")
+    assert m.invariants_ok(), m.invariant_violations()
+    return m
+
+
+def _break_ref_count(m):
+    m._ref[m.block_table("a")[0]] += 1
+
+
+def _break_block_count(m):
+    m._seqs["a"].length += 4  # 10 tokens would need 3 blocks
+
+
+def _break_block_id(m):
+    m._seqs["a"].blocks[-1] = 99
+
+
+def _break_mirror(m):
+    m._seqs["a"].blocks.reverse()  # same blocks, same counts, in the wrong order
+
+
+def _break_cached_tokens(m):
+    m._seqs["b"].tokens[0] = 7  # b claims other tokens than its cached first block holds
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_break_ref_count, "reference counts differ"),
+    (_break_block_count, "2 blocks for 10 tokens"),
+    (_break_block_id, "block id 99 out of range"),
+    (_break_mirror, "numpy mirror out of sync"),
+    (_break_cached_tokens, "holds other tokens"),
+], ids=["ref_count", "block_count", "block_id", "mirror", "cached_tokens"])
+def test_the_audit_names_each_broken_invariant(corrupt, message):
+    m = _healthy_manager()
+    corrupt(m)
+    assert not m.invariants_ok()
+    assert any(message in v for v in m.invariant_violations()), m.invariant_violations()
