@@ -93,11 +93,19 @@ class RequestTable:
                                       include_stop_str_in_output=params.include_stop_str_in_output,
                                       skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End one completion: its blocks freed, its text released."""
+    def finish(self, seq: Sequence, reason: str, *, text_may_fail: bool = False) -> None:
+        """End one completion: its blocks freed, its text released. ``text_may_fail``: a
+        detokenizer that cannot finish its text is logged, not raised (outside a step, where
+        nothing would undo a completion left half-ended)."""
         self.scheduler.finish(seq, reason)
-        if seq.detokenizer is not None:
-            seq.detokenizer.finish()
+        try:
+            if seq.detokenizer is not None:
+                seq.detokenizer.finish()
+        except Exception:  # noqa: BLE001 - its text stays what was released
+            if not text_may_fail:
+                raise
+            logger.exception("request %r: its text could not be finished; it ends all the same",
+                             seq.request.request_id)
 
     def complete(self, req: Request, now: float) -> None:
         """A request whose completions have all finished in this step's commit."""
@@ -115,13 +123,7 @@ class RequestTable:
         blocks freed but id taken, for good)."""
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
-                self.scheduler.finish(seq, reason)
-                try:
-                    if seq.detokenizer is not None:
-                        seq.detokenizer.finish()
-                except Exception:  # noqa: BLE001 - its text stays what was released
-                    logger.exception("request %r: its text could not be finished; it ends all the same",
-                                     req.request_id)
+                self.finish(seq, reason, text_may_fail=True)
         req.metrics.finished_time = time.perf_counter()
         del self.unfinished[req.request_id]
         try:
