@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 
@@ -63,15 +62,17 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     from ..engine import LLMEngine
     from ..engine.async_engine import AsyncLLMEngine
     from .app import build_app
-    from .shutdown import GracefulServer
+    from .shutdown import GracefulServer, check_shutdown_timeout
 
     p = parser(prog)
     args = p.parse_args(argv)
     if args.calculate_kv_scales and not args.kv_cache_dtype.startswith("fp8"):
         p.error(f"--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2, "
                 f"got {args.kv_cache_dtype}")
-    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
-        p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    try:
+        check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,

@@ -72,16 +72,20 @@ class InFlight:
             close_all(streams)  # wakes their readers; the engine thread aborts them between two steps
 
 
+def check_shutdown_timeout(seconds, name: str) -> None:
+    """A grace period is a finite number of seconds >= 0; else ValueError naming ``name``."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
+
+
 class GracefulServer(uvicorn.Server):
     """``uvicorn.Server`` for an app of :func:`.app.build_app`, whose shutdown does not wait for
     open responses longer than ``shutdown_timeout`` seconds (see the module's docstring). It sets
     ``config.timeout_graceful_shutdown`` (the backstop) from ``shutdown_timeout``."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float = 0.0):
-        if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
-                or not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
-            raise ValueError(f"GracefulServer: shutdown_timeout must be a finite number of seconds >= 0, got "
-                             f"{shutdown_timeout!r}")
+        check_shutdown_timeout(shutdown_timeout, "GracefulServer: shutdown_timeout")
         state = getattr(config.app, "state", None)
         if not isinstance(getattr(state, "in_flight", None), InFlight):
             raise ValueError("GracefulServer: config.app must be an app of build_app (it has no state.in_flight)")
