@@ -135,8 +135,8 @@ def build_info() -> str:
 
 
 def cpu_isa() -> str:
-    """The instruction-set variant of the CPU kernels in use: ``scalar``, ``avx2``, ``avx512`` or
-    ``avx512_bf16`` (``native`` in a MINIPAGED_NATIVE_CPU build). The best this CPU supports
+    """The instruction-set variant of the CPU kernels in use: ``scalar``, ``avx2``, ``avx512``,
+    ``avx512_bf16`` or ``avx512_amx`` (``native`` in a MINIPAGED_NATIVE_CPU build). The best this CPU supports
     unless the environment variable ``MINIPAGED_CPU_ISA`` named another when minipaged loaded."""
     return _ops.cpu_isa()
 

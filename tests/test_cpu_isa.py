@@ -15,7 +15,7 @@ import pytest
 
 import minipaged_ops
 
-VARIANTS = ("scalar", "avx2", "avx512", "avx512_bf16")
+VARIANTS = ("scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
 # In a child process: load with the given MINIPAGED_CPU_ISA, check a bfloat16 and a float16 decode
 # and a cache write against the float64 reference, print the variant in use.
@@ -80,7 +80,7 @@ def test_forced_variant_is_used_and_correct(isa):
 def test_unknown_variant_fails_the_import_and_names_the_choices():
     done = run_child("avx9000")
     assert done.returncode != 0
-    assert "MINIPAGED_CPU_ISA='avx9000': expected one of scalar, avx2, avx512, avx512_bf16" in done.stderr
+    assert "MINIPAGED_CPU_ISA='avx9000': expected one of scalar, avx2, avx512, avx512_bf16, avx512_amx" in done.stderr
 
 
 def test_variant_not_compiled_fails_the_import():
@@ -103,7 +103,7 @@ def test_variant_this_cpu_lacks_fails_the_import():
 
 @pytest.mark.skipif(shutil.which("objdump") is None or not sys.platform.startswith("linux"), reason="needs objdump")
 def test_no_vector_extension_instructions_outside_the_variants():
-    """The portable guarantee: every function that uses AVX (VEX/EVEX-encoded) instructions
+    """The portable guarantee: every function that uses AVX (VEX/EVEX-encoded) or AMX instructions
     belongs to a variant's namespace or is file-local to a variant's object. A shared inline function
     (from a c10 or std header) compiled with AVX flags and kept by the linker would crash the
     scalar variant on a CPU without AVX."""
@@ -124,8 +124,9 @@ def test_no_vector_extension_instructions_outside_the_variants():
             function = line
         # objdump leaves GCC's outlined parts (``._omp_fn.0.cold``) mangled: the variant's namespace
         # then reads ``9minipaged4avx2`` and so on
-        elif "\tv" in line and not re.search(
-                r"minipaged::(avx2|avx512|avx512_bf16)::|9minipaged(4avx2|6avx512|11avx512_bf16)", function):
+        elif re.search(r"\t(v|tile|tdp|ldtilecfg|sttilecfg)", line) and not re.search(
+                r"minipaged::(avx2|avx512|avx512_bf16|avx512_amx)::|9minipaged(4avx2|6avx512|11avx512_bf16|10avx512_amx)",
+                function):
             offenders.add(function)
     # File-local functions (an anonymous namespace, as in cpu/vec.h, or GCC's constprop clones)
     # are private to their own variant's object, so the linker never shares them.

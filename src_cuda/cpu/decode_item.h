@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "cache_layout.h"
 #include "cpu/head_tile.h"
 #include "cpu/isa.h"
 #include "cpu/row_prefetch.h"
+#include "cpu/tile_amx.h"
 #include "cpu/vec.h"
 
 namespace minipaged::MINIPAGED_CPU_ISA {
@@ -62,8 +64,15 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
                       std::vector<float>& scratch, const KVScales& kv_scales, bool query_16bit) {
   const int64_t D = layout.head_dim, B = layout.block_size, num_heads = layout.num_kv_heads * group;
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(begin < end && begin % B == 0);
+#if defined(__AMX_BF16__)
+  const bool amx = std::is_same_v<T, c10::BFloat16> && D % 64 == 0 && D <= kAmxMaxHeadDim && B % 16 == 0 &&
+                   group <= kAmxMaxGroup && cpu_dispatch::os_allows_amx();
+#else
+  const bool amx = false;
+#endif
 #if defined(__AVX512BF16__)
-  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256;
+  static const bool amx_pv = getenv("AMX_PV") == nullptr || getenv("AMX_PV")[0] == '1';
+  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256 && (!amx || !amx_pv);
 #else
   const bool bf16_dot = false;
 #endif
@@ -77,8 +86,11 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const int64_t chunk_blocks =
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
-  // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales.
-  scratch.assign(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0), 0.f);
+  // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales,
+  // or (amx) the query as pairs.
+  scratch.assign(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
+                     (amx ? num_heads * D / 2 : 0),
+                 0.f);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
   float* q_scale = int8_dot ? scores + num_heads * C + num_heads * kW : nullptr;  // [num_heads]
@@ -86,15 +98,27 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AVX512VNNI__)
   if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
 #endif
+  // amx: a tile holds every query head of a kv head (the group), the query as its pairs.
+  const int64_t tile_heads = amx ? group : kMaxTile;
+#if defined(__AMX_BF16__)
+  std::optional<AmxTiles> tiles;
+  auto* q_pairs = reinterpret_cast<uint32_t*>(scores + num_heads * C + num_heads * kW);  // [num_heads, head_dim / 2]
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (amx) {
+      tiles.emplace(group);
+      for (int64_t kv_head = 0; kv_head < layout.num_kv_heads; ++kv_head)
+        tiles->query_pairs(q_raw + kv_head * group * D, D, q_pairs + kv_head * group * D / 2);
+    }
+#endif
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.acc, out.acc + num_heads * D, 0.f);
 
   // Each tile of query heads sharing a kv head: g0 = first query head, gt = how many (one tile
-  // unless the group is larger than kMaxTile).
+  // unless the group is larger than tile_heads).
   auto for_each_tile = [&](auto&& f) {
     for (int64_t kv_head = 0; kv_head < layout.num_kv_heads; ++kv_head)
-      for (int64_t g0 = kv_head * group; g0 < (kv_head + 1) * group; g0 += kMaxTile)
-        f(kv_head, g0, std::min(kMaxTile, (kv_head + 1) * group - g0));
+      for (int64_t g0 = kv_head * group; g0 < (kv_head + 1) * group; g0 += tile_heads)
+        f(kv_head, g0, std::min(tile_heads, (kv_head + 1) * group - g0));
   };
   // Blocks are scattered, so the hardware prefetcher cannot follow from one to the next: as
   // rows are computed, the lines kAheadBytes further on in reading order are asked for, a few
@@ -152,6 +176,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
         const T* k = k_rows + kv_head * B * D;
         RowPrefetch pf = ahead_of(k_rows, next_run, kv_head, g0);
+#if defined(__AMX_BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (amx) return tiles->scores(q_pairs + g0 * D / 2, scale, k, n, D, scores + g0 * C + t0, C, pf);
+#endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -175,6 +203,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
         const T* v = v_rows + kv_head * B * D;
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
+#if defined(__AMX_BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (amx && amx_pv) return tiles->accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
+#endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512VNNI__)
           if constexpr (std::is_same_v<T, int8_t>)
@@ -197,6 +229,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
   if (bf16_dot || int8_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
+#if defined(__AMX_BF16__)
+  if (amx && amx_pv)
+    for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order(out.acc + h * D, D);
+#endif
 }
 
 }  // namespace

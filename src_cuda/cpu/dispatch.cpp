@@ -9,6 +9,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace minipaged::cpu_dispatch {
 namespace {
 
@@ -23,14 +28,16 @@ bool cpu_has(const char* isa) {
   if (name == "avx2") return avx2;
   if (name == "avx512") return avx512;
   // Every CPU with AVX512-BF16 so far has AVX512-VNNI too (int8 caches use its 16-bit dot products).
-  if (name == "avx512_bf16")
-    return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  if (name == "avx512_bf16") return avx512_bf16;
+  if (name == "avx512_amx")
+    return avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && os_allows_amx();
 #endif
   return false;
 }
 
 // Every variant the build may compile, worst first; the best supported compiled one wins.
-constexpr const char* kPreference[] = {"scalar", "avx2", "avx512", "avx512_bf16", "native"};
+constexpr const char* kPreference[] = {"scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx", "native"};
 
 std::map<std::string, std::vector<RegisterKernels>>& registry() {
   static std::map<std::string, std::vector<RegisterKernels>> variants;
@@ -49,6 +56,18 @@ std::string join(const std::vector<std::string>& names) {
 }
 
 }  // namespace
+
+// Linux hands out the AMX tile state (8 KiB per thread) only to processes that ask for it; the
+// answer holds for every thread of the process.
+bool os_allows_amx() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool allowed = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return allowed;
+#else
+  return false;
+#endif
+}
 
 bool add_kernels(const char* isa, RegisterKernels fn) {
   registry()[isa].push_back(fn);
@@ -83,7 +102,7 @@ void register_cpu_kernels() {
     for (const char* name : kPreference) known = known || isa == name;
     if (!known)
       throw std::invalid_argument("MINIPAGED_CPU_ISA='" + isa +
-                                  "': expected one of scalar, avx2, avx512, avx512_bf16 (or native in a "
+                                  "': expected one of scalar, avx2, avx512, avx512_bf16, avx512_amx (or native in a "
                                   "MINIPAGED_NATIVE_CPU build)");
     if (!registry().count(isa))
       throw std::invalid_argument("MINIPAGED_CPU_ISA=" + isa + ": this build did not compile that variant (compiled: " +

@@ -15,4 +15,7 @@ void register_cpu_kernels();
 std::string cpu_isa();                     // the variant in use; empty before registration
 std::vector<std::string> compiled_isas();  // worst first
 std::vector<std::string> supported_isas(); // compiled and runnable on this CPU, worst first
+// Whether the OS lets this process use AMX tiles (asked once; Linux only). The kernels check it
+// too, since a -march=native build may use AMX without the avx512_amx variant being chosen.
+bool os_allows_amx();
 }  // namespace minipaged::cpu_dispatch
