@@ -9,6 +9,7 @@ the benchmark prints, and B / A.
     python bench/compare_revisions.py HEAD~1 HEAD
     python bench/compare_revisions.py main WORKTREE -- --dtype float32,bfloat16 --iters 20
     python bench/compare_revisions.py HEAD WORKTREE --bench bench/cache_write.py
+    python bench/compare_revisions.py HEAD HEAD --isa avx512_bf16,avx512_amx   # two CPU variants of one build
 
 WORKTREE names the uncommitted working tree. The benchmark script itself always comes from the
 working tree, so both revisions are measured by the same code.
@@ -84,9 +85,10 @@ def build(rev: str) -> tuple[str, Path]:
     return label, site
 
 
-def run_once(site: Path, script: str, args: list[str]) -> str:
+def run_once(site: Path, script: str, args: list[str], isa: str | None = None) -> str:
+    env = {**os.environ, "MINIPAGED_CPU_ISA": isa} if isa else None
     out = subprocess.run([sys.executable, "-c", RUNNER, str(site), script, *args], cwd=ROOT, check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     return out.stdout
 
 
@@ -119,14 +121,19 @@ def main(argv=None) -> None:
     ap.add_argument("after", help="git revision, or WORKTREE")
     ap.add_argument("--bench", default="bench/decode_cpu.py", help="benchmark script (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="runs of the benchmark per revision")
+    ap.add_argument("--isa", help="the CPU kernel variant (MINIPAGED_CPU_ISA) for A and B, comma separated")
     args = ap.parse_args(argv)
+    isas = args.isa.split(",") if args.isa else [None, None]
+    if args.isa and (len(isas) != 2 or not all(isas)):
+        ap.error(f"--isa: expected two variants, comma separated (e.g. avx512_bf16,avx512_amx); got {args.isa!r}")
 
     CACHE.mkdir(parents=True, exist_ok=True)
     revs = [build(args.before), build(args.after)]
+    revs = [(label + (f", MINIPAGED_CPU_ISA={isa}" if isa else ""), site) for (label, site), isa in zip(revs, isas)]
     results = [[], []]
     for _ in tqdm(range(args.rounds), desc="rounds (A, B alternating)", file=sys.stderr):
         for i, (_, site) in enumerate(revs):
-            results[i].append(parse_table(run_once(site, args.bench, bench_args)))
+            results[i].append(parse_table(run_once(site, args.bench, bench_args, isas[i])))
     print(f"{args.bench} {' '.join(bench_args)}; {args.rounds} rounds, alternating; medians")
     print(f"A = {revs[0][0]}\nB = {revs[1][0]}")
     keys = [k for k in results[0][0] if all(k in r for rs in results for r in rs)]

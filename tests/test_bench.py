@@ -170,6 +170,19 @@ bfloat16 / float32, paged bytes per second: 0.91
     assert len(cells) == 8
 
 
+def test_compare_revisions_runs_each_side_with_its_cpu_variant(tmp_path, capsys, monkeypatch):
+    from compare_revisions import main, parse_table, run_once
+
+    monkeypatch.delenv("MINIPAGED_CPU_ISA", raising=False)
+    script = tmp_path / "bench.py"
+    script.write_text("import os\nprint('what  kernel  ms')\nprint(os.environ.get('MINIPAGED_CPU_ISA', 'none') + '  k  1.5')\n")
+    assert parse_table(run_once(tmp_path, str(script), [], "avx2")) == {(("avx2", "k"), "ms"): 1.5}
+    assert parse_table(run_once(tmp_path, str(script), [])) == {(("none", "k"), "ms"): 1.5}
+    with pytest.raises(SystemExit):
+        main(["HEAD", "HEAD", "--isa", "avx512_bf16"])
+    assert "--isa: expected two variants" in capsys.readouterr().err
+
+
 def test_decode_cpu_busy_mode_runs_with_a_spinner():
     out = run_bench("bench/decode_cpu.py", "--batch", "2", "--seq-len", "64", "--iters", "2", "--busy")
     assert out.startswith("BUSY") and re.search(r"^float32\s+minipaged paged", out, re.M), out
