@@ -29,12 +29,9 @@ namespace {
 constexpr int64_t kAmxMaxGroup = 16;
 constexpr int64_t kAmxMaxHeadDim = 256;
 
-// The tiles, configured for one work item's gt query heads per kv head and released when it ends
-// (the tile state is per thread; releasing it keeps context switches cheap).
-// Q.K: 0 a K slice (16 tokens x 32 elements), 1 the query slice as pairs (16 pairs x gt), 2 the
-// scores (16 tokens x gt). P.V: 3 / 4 the probabilities in the pairs' first / second place
-// (gt x 16 pairs), 5 a V slice (16 tokens x 32), 6 / 7 the accumulators' even / odd elements
-// (gt x 16).
+// The tiles of one work item (gt query heads per kv head): a configuration per phase of a chunk
+// (Q.K, then P.V), loaded as the phase begins, and the tile state released when the item ends (it is
+// per thread; releasing it keeps context switches cheap).
 class AmxTiles {
  public:
   explicit AmxTiles(int64_t gt) : gt_(gt) {
