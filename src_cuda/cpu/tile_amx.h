@@ -86,7 +86,7 @@ class AmxTiles {
                   RowPrefetch& pf) {
     use(accumulate_config_);
     alignas(64) uint32_t first[kAmxMaxGroup][16], second[kAmxMaxGroup][16];
-    alignas(64) float sums[kAmxMaxHeadDim / 32][4][kAmxMaxGroup * 16];  // [slice pair][tile][g, 16]
+    alignas(64) float sums[kAmxMaxHeadDim / 64][4][kAmxMaxGroup * 16];  // [slice pair][tile][g, 16]
     alignas(64) c10::BFloat16 staged[16 * kAmxMaxHeadDim];
     const int64_t slices = D / 32, rows_per_pair = 32 / slices;  // prefetch pace
     for (int64_t t = 0; t < n; t += 16) {
