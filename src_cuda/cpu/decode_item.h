@@ -71,8 +71,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const bool amx = false;
 #endif
 #if defined(__AVX512BF16__)
-  static const bool amx_pv = getenv("AMX_PV") == nullptr || getenv("AMX_PV")[0] == '1';
-  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256 && (!amx || !amx_pv);
+  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256 && !amx;
 #else
   const bool bf16_dot = false;
 #endif
@@ -205,7 +204,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
 #if defined(__AMX_BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (amx && amx_pv) return tiles->accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
+          if (amx) return tiles->accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512VNNI__)
@@ -230,7 +229,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   if (bf16_dot || int8_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 #if defined(__AMX_BF16__)
-  if (amx && amx_pv)
+  if (amx)
     for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order(out.acc + h * D, D);
 #endif
 }

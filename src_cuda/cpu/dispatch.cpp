@@ -99,11 +99,14 @@ void register_cpu_kernels() {
   if (forced != nullptr && *forced != '\0') {
     isa = forced;
     bool known = false;
-    for (const char* name : kPreference) known = known || isa == name;
+    std::vector<std::string> per_isa;  // the names the message offers; native is named apart
+    for (const char* name : kPreference) {
+      known = known || isa == name;
+      if (std::string(name) != "native") per_isa.push_back(name);
+    }
     if (!known)
-      throw std::invalid_argument("MINIPAGED_CPU_ISA='" + isa +
-                                  "': expected one of scalar, avx2, avx512, avx512_bf16, avx512_amx (or native in a "
-                                  "MINIPAGED_NATIVE_CPU build)");
+      throw std::invalid_argument("MINIPAGED_CPU_ISA='" + isa + "': expected one of " + join(per_isa) +
+                                  " (or native in a MINIPAGED_NATIVE_CPU build)");
     if (!registry().count(isa))
       throw std::invalid_argument("MINIPAGED_CPU_ISA=" + isa + ": this build did not compile that variant (compiled: " +
                                   join(compiled_isas()) + ")");
