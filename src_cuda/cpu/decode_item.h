@@ -86,12 +86,15 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
   // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales,
-  // or (amx) the query as pairs.
-  scratch.assign(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
-                     (amx ? num_heads * D / 2 : 0),
-                 0.f);
+  // or (amx) the query as pairs and the chunk's P tiles.
+  // Only the sums start from zero: everything else is written before it is read, and the buffer
+  // is the caller's, kept across calls (zeroing ~100 KiB per work item showed in profiles).
+  const auto scratch_size = static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
+                                                (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
+  if (scratch.size() < scratch_size) scratch.resize(scratch_size);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
+  std::fill(exp_sums, exp_sums + num_heads, f32x16{});
   float* q_scale = int8_dot ? scores + num_heads * C + num_heads * kW : nullptr;  // [num_heads]
   auto* q16 = int8_dot ? reinterpret_cast<int16_t*>(q_scale + num_heads) : nullptr;  // [num_heads, head_dim]
 #if defined(__AVX512VNNI__)
@@ -102,6 +105,9 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AMX_BF16__)
   std::optional<AmxTiles> tiles;
   auto* q_pairs = reinterpret_cast<uint32_t*>(scores + num_heads * C + num_heads * kW);  // [num_heads, head_dim / 2]
+  // [num_heads, 2 C] as the tiles' probability_pairs lay them out, 64-byte aligned (tile rows); in a
+  // chunk's Q.K phase, the score tiles (half of it)
+  auto* p_pairs = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(q_pairs + num_heads * D / 2) + 63) & ~uintptr_t{63});
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     if (amx) {
       tiles.emplace(group);
@@ -177,7 +183,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         RowPrefetch pf = ahead_of(k_rows, next_run, kv_head, g0);
 #if defined(__AMX_BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (amx) return tiles->scores(q_pairs + g0 * D / 2, scale, k, n, D, scores + g0 * C + t0, C, pf);
+          if (amx) return tiles->scores(q_pairs + g0 * D / 2, k, n, D, reinterpret_cast<float*>(p_pairs + g0 * 2 * C) + t0 * gt, pf);
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
@@ -195,8 +201,20 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         });
       });
     });
+#if defined(__AMX_BF16__)
+    if (amx)
+      for_each_tile([&](int64_t, int64_t g0, int64_t) {
+        tiles->head_rows(reinterpret_cast<const float*>(p_pairs + g0 * 2 * C), scale, n_chunk, scores + g0 * C, C);
+      });
+#endif
     for (int64_t h = 0; h < num_heads; ++h)
       softmax_update(scores + h * C, n_chunk, out.max_score[h], exp_sums[h], out.acc + h * D, D);
+#if defined(__AMX_BF16__)
+    if (amx)
+      for_each_tile([&](int64_t, int64_t g0, int64_t) {
+        tiles->probability_pairs(scores + g0 * C, C, n_chunk, p_pairs + g0 * 2 * C);
+      });
+#endif
     for_each_block(value_cache, [&](const T* v_rows, int64_t n, const char* next_run, int64_t t0,
                                     [[maybe_unused]] const float* v_scales) {
       for_each_tile([&](int64_t kv_head, int64_t g0, int64_t gt) {
@@ -204,7 +222,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
 #if defined(__AMX_BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (amx) return tiles->accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
+          if (amx) return tiles->accumulate(p_pairs + g0 * 2 * C + t0 * 2 * gt, v, n, D, out.acc + g0 * D, pf);
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512VNNI__)

@@ -138,7 +138,10 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
     const int64_t kv_bytes = 2 * total_tokens * layout.num_kv_heads * D * key_cache.element_size();
     const int64_t threads = kv_bytes < (256 << 10) ? 1 : std::min<int64_t>(items, at::get_num_threads());
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch, q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D), row(D);
+      // The work items' scratch (~40-100 KiB) stays with the thread: allocated per call, it was
+      // given back to the OS and faulted in again on every call.
+      thread_local std::vector<float> scratch;
+      std::vector<float> q(num_heads * D), m(num_heads), l(num_heads), a(num_heads * D), row(D);
       for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t s = item / num_parts, p = item % num_parts;
         const int64_t begin = p * part, end = std::min<int64_t>(lens_ptr[s], begin + part);

@@ -7,10 +7,13 @@
 // elements, the row stride apart); the query tile, its 32-element slices as element pairs, is
 // tile B; the product is a [token][head] tile of scores.
 // P.V: tile B wants token pairs, and V rows are single tokens, so a tile of V rows (loaded as they
-// lie) pairs each row's elements (2d, 2d+1) instead, and P is given twice: with each probability
-// in the pair's first place (a zero in the second) and in its second. The first product sums
-// p[t] v[t][2d], the second p[t] v[t][2d + 1]: the accumulators hold each 32-element chunk as its
-// 16 even elements, then its 16 odd ones (from_even_odd_order puts them back).
+// lie) pairs each row's elements (2d, 2d+1) instead, and P is given twice in one tile: rows [0, gt)
+// hold each probability in the pair's first place (a zero in the second), rows [gt, 2 gt) in its
+// second. The product's first rows sum p[t] v[t][2d], its last rows p[t] v[t][2d + 1]: the
+// accumulators hold each 32-element chunk as its 16 even elements, then its 16 odd ones
+// (from_even_odd_order puts them back). The P tiles of a chunk are written once, after its softmax
+// (probability_pairs), so that no tile is loaded right after vector stores wrote it (that load
+// waits ~80-100 cycles for the stores).
 #pragma once
 
 #if defined(__AMX_BF16__)
@@ -25,8 +28,8 @@
 namespace minipaged {
 namespace {
 
-// Query heads per kv head the tiles take (one tile column each), and the longest row.
-constexpr int64_t kAmxMaxGroup = 16;
+// Query heads per kv head the tiles take (one tile column each, two P rows each), and the longest row.
+constexpr int64_t kAmxMaxGroup = 8;
 constexpr int64_t kAmxMaxHeadDim = 256;
 
 // The tiles of one work item (gt query heads per kv head): a configuration per phase of a chunk
@@ -40,11 +43,11 @@ class AmxTiles {
     // 4 the scores (16 tokens x gt).
     scores_config_.set(0, 16, 64), scores_config_.set(1, 16, 64);
     scores_config_.set(2, 16, head_bytes), scores_config_.set(3, 16, head_bytes), scores_config_.set(4, 16, head_bytes);
-    // P.V: 0 / 1 the probabilities in the pairs' first / second place (gt x 16 pairs), 2 / 3 V
-    // slices (16 tokens x 32), 4-7 two slices' even / odd sums (gt x 16).
-    accumulate_config_.set(0, gt, 64), accumulate_config_.set(1, gt, 64);
+    // P.V: 0 the probabilities in the pairs' first, then second place (2 gt x 16 pairs), 2 / 3 V
+    // slices (16 tokens x 32), 4-7 four slices' sums (2 gt x 16: even elements, then odd).
+    accumulate_config_.set(0, 2 * gt, 64);
     accumulate_config_.set(2, 16, 64), accumulate_config_.set(3, 16, 64);
-    for (int tile = 4; tile < 8; ++tile) accumulate_config_.set(tile, gt, 64);
+    for (int tile = 4; tile < 8; ++tile) accumulate_config_.set(tile, 2 * gt, 64);
   }
   ~AmxTiles() { _tile_release(); }
   AmxTiles(const AmxTiles&) = delete;
@@ -57,14 +60,14 @@ class AmxTiles {
       for (int64_t w = 0; w < D / 2; ++w) std::memcpy(&pairs[w * gt_ + g], q + g * D + 2 * w, 4);
   }
 
-  // scores[g * stride + t] = scale * (q[g] . k[t]) for the n rows of k (n <= block size, a multiple
-  // of 16: the rows past n in the last group are read, inside the block, and their scores dropped).
-  void scores(const uint32_t* pairs, float scale, const c10::BFloat16* k, int64_t n, int64_t D, float* scores,
-              int64_t stride, RowPrefetch& pf) {
+  // The scores q[g] . k[t] of the n rows of k (n <= block size; the rows past n in the last group
+  // of 16 are read, inside the block, and their scores dropped later) as the tiles hold them:
+  // [ceil(n / 16)][16 tokens][gt]. head_rows turns a chunk of them into rows per head afterwards:
+  // read right after the tile store, they would wait ~80-100 cycles for it.
+  void scores(const uint32_t* pairs, const c10::BFloat16* k, int64_t n, int64_t D, float* tiles, RowPrefetch& pf) {
     use(scores_config_);
-    alignas(64) float tile[16 * kAmxMaxGroup];
     const int64_t slices = D / 32, pair_bytes = 4 * gt_, rows_per_pair = 32 / slices;  // prefetch pace
-    for (int64_t t = 0; t < n; t += 16) {
+    for (int64_t t = 0; t < n; t += 16, tiles += 16 * gt_) {
       _tile_zero(4);
       for (int64_t c = 0; c < slices; c += 2) {
         pf.upto(t + rows_per_pair * (c / 2 + 1));
@@ -75,30 +78,39 @@ class AmxTiles {
         _tile_dpbf16ps(4, 0, 2);
         _tile_dpbf16ps(4, 1, 3);
       }
-      _tile_stored(4, tile, pair_bytes);
-      to_head_rows(tile, scale, std::min<int64_t>(16, n - t), scores + t, stride);
+      _tile_stored(4, tiles, pair_bytes);
     }
   }
 
-  // acc[g] (row stride D, even/odd order) += sum over t < n of p[g * stride + t] * v[t]; p is
-  // rounded to bfloat16 for the product, as on the pair-dot-product path.
-  void accumulate(const float* p, int64_t stride, const c10::BFloat16* v, int64_t n, int64_t D, float* acc,
-                  RowPrefetch& pf) {
+  // scores[g * stride + t] = scale * (q[g] . k[t]) for t < n, from what scores() stored.
+  void head_rows(const float* tiles, float scale, int64_t n, float* scores, int64_t stride) const {
+    for (int64_t t = 0; t < n; t += 16, tiles += 16 * gt_)
+      to_head_rows(tiles, scale, std::min<int64_t>(16, n - t), scores + t, stride);
+  }
+
+  // The P tiles of n probabilities p[g * stride + t] of the tile's heads, rounded to bfloat16 (as on
+  // the pair-dot-product path): for each group of 16 tokens, 2 gt rows of 16 pairs (see above), zero
+  // past n. pairs: [ceil(n / 16)][2 gt][16].
+  void probability_pairs(const float* p, int64_t stride, int64_t n, uint32_t* pairs) const {
+    for (int64_t t = 0; t < n; t += 16, pairs += 2 * gt_ * 16)
+      for (int64_t g = 0; g < gt_; ++g) {
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(n - t), p + g * stride + t));
+        const __m512i w = _mm512_cvtepu16_epi32((__m256i)b);
+        _mm512_store_si512(pairs + g * 16, w);
+        _mm512_store_si512(pairs + (gt_ + g) * 16, _mm512_slli_epi32(w, 16));
+      }
+  }
+
+  // acc[g] (row stride D, even/odd order) += sum over t < n of p[g][t] * v[t], the P tiles of the n
+  // tokens as probability_pairs wrote them.
+  void accumulate(const uint32_t* pairs, const c10::BFloat16* v, int64_t n, int64_t D, float* acc, RowPrefetch& pf) {
     use(accumulate_config_);
-    alignas(64) uint32_t first[kAmxMaxGroup][16], second[kAmxMaxGroup][16];
-    alignas(64) float sums[kAmxMaxHeadDim / 64][4][kAmxMaxGroup * 16];  // [slice pair][tile][g, 16]
+    alignas(64) float sums[4][2 * kAmxMaxGroup * 16];  // [slice % 4][2 gt, 16]
     alignas(64) c10::BFloat16 staged[16 * kAmxMaxHeadDim];
     const int64_t slices = D / 32, rows_per_pair = 32 / slices;  // prefetch pace
-    for (int64_t t = 0; t < n; t += 16) {
+    for (int64_t t = 0; t < n; t += 16, pairs += 2 * gt_ * 16) {
       const int64_t rows = std::min<int64_t>(16, n - t);
-      for (int64_t g = 0; g < gt_; ++g) {
-        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(rows), p + g * stride + t));
-        const __m512i w = _mm512_cvtepu16_epi32((__m256i)b);
-        _mm512_store_si512(first[g], w);
-        _mm512_store_si512(second[g], _mm512_slli_epi32(w, 16));
-      }
-      _tile_loadd(0, first, 64);
-      _tile_loadd(1, second, 64);
+      _tile_loadd(0, pairs, 64);
       // A row past n may hold anything (NaN too, and 0 * NaN is NaN): the last group's rows are
       // copied, zeros after them.
       const c10::BFloat16* rows_v = v + t * D;
@@ -107,31 +119,39 @@ class AmxTiles {
         std::memset(staged + rows * D, 0, (16 - rows) * D * sizeof(c10::BFloat16));
         rows_v = staged;
       }
-      // Fresh sums per group, added to acc by the vector unit: a tile loaded from acc right after
-      // being stored there waits ~80 cycles for the store.
-      for (int64_t c = 0; c < slices; c += 2) {
-        pf.upto(t + rows_per_pair * (c / 2 + 1));
-        _tile_loadd(2, rows_v + 32 * c, 2 * D);
-        _tile_loadd(3, rows_v + 32 * c + 32, 2 * D);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-        _tile_stored(4, sums[c / 2][0], 64);
-        _tile_stored(5, sums[c / 2][1], 64);
-        _tile_stored(6, sums[c / 2][2], 64);
-        _tile_stored(7, sums[c / 2][3], 64);
-      }
-      for (int64_t g = 0; g < gt_; ++g)
-        for (int64_t c = 0; c < slices; c += 2)
-          for (int part = 0; part < 4; ++part) {
-            float* a = acc + g * D + 32 * c + 16 * part;
-            _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_load_ps(sums[c / 2][part] + 16 * g)));
+      // Fresh sums per group, four slices at a time, added to acc by the vector unit: a tile loaded
+      // from acc right after being stored there waits ~80 cycles for the store.
+      for (int64_t c0 = 0; c0 < slices; c0 += 4) {
+        const int64_t c1 = std::min(c0 + 4, slices);  // slices is even (D % 64 == 0)
+        for (int64_t c = c0; c < c1; c += 2) {
+          pf.upto(t + rows_per_pair * (c / 2 + 1));
+          _tile_loadd(2, rows_v + 32 * c, 2 * D);
+          _tile_loadd(3, rows_v + 32 * c + 32, 2 * D);
+          if (c == c0) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+          } else {
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_dpbf16ps(6, 0, 2);
+            _tile_dpbf16ps(7, 0, 3);
           }
+        }
+        _tile_stored(4, sums[0], 64);
+        _tile_stored(5, sums[1], 64);
+        if (c1 - c0 == 4) {
+          _tile_stored(6, sums[2], 64);
+          _tile_stored(7, sums[3], 64);
+        }
+        for (int64_t g = 0; g < gt_; ++g)
+          for (int64_t c = c0; c < c1; ++c)
+            for (int half = 0; half < 2; ++half) {
+              float* a = acc + g * D + 32 * c + 16 * half;
+              _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_load_ps(sums[c - c0] + (half * gt_ + g) * 16)));
+            }
+      }
     }
     pf.upto(pf.rows);
   }
