@@ -89,8 +89,9 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   // or (amx) the query as pairs and the chunk's P tiles.
   // Only the sums start from zero: everything else is written before it is read, and the buffer
   // is the caller's, kept across calls (zeroing ~100 KiB per work item showed in profiles).
-  const auto scratch_size = static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
-                                                (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
+  const auto scratch_size =
+      static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
+                          (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
   if (scratch.size() < scratch_size) scratch.resize(scratch_size);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
@@ -105,9 +106,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AMX_BF16__)
   std::optional<AmxTiles> tiles;
   auto* q_pairs = reinterpret_cast<uint32_t*>(scores + num_heads * C + num_heads * kW);  // [num_heads, head_dim / 2]
-  // [num_heads, 2 C] as the tiles' probability_pairs lay them out, 64-byte aligned (tile rows); in a
-  // chunk's Q.K phase, the score tiles (half of it)
-  auto* p_pairs = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(q_pairs + num_heads * D / 2) + 63) & ~uintptr_t{63});
+  // Per tile of heads g0, 2 gt C words, 64-byte aligned (tile rows): the chunk's P tiles as
+  // probability_pairs lays them out, and in its Q.K phase its score tiles (half of it, as floats).
+  auto* p_pairs =
+      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(q_pairs + num_heads * D / 2) + 63) & ~uintptr_t{63});
+  auto pair_tiles = [&](int64_t g0) { return p_pairs + g0 * 2 * C; };
+  auto score_tiles = [&](int64_t g0) { return reinterpret_cast<float*>(pair_tiles(g0)); };
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     if (amx) {
       tiles.emplace(group);
@@ -183,7 +187,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         RowPrefetch pf = ahead_of(k_rows, next_run, kv_head, g0);
 #if defined(__AMX_BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (amx) return tiles->scores(q_pairs + g0 * D / 2, k, n, D, reinterpret_cast<float*>(p_pairs + g0 * 2 * C) + t0 * gt, pf);
+          if (amx) return tiles->scores(q_pairs + g0 * D / 2, k, n, D, score_tiles(g0) + t0 * gt, pf);
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
@@ -204,7 +208,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AMX_BF16__)
     if (amx)
       for_each_tile([&](int64_t, int64_t g0, int64_t) {
-        tiles->head_rows(reinterpret_cast<const float*>(p_pairs + g0 * 2 * C), scale, n_chunk, scores + g0 * C, C);
+        tiles->head_rows(score_tiles(g0), scale, n_chunk, scores + g0 * C, C);
       });
 #endif
     for (int64_t h = 0; h < num_heads; ++h)
@@ -212,7 +216,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AMX_BF16__)
     if (amx)
       for_each_tile([&](int64_t, int64_t g0, int64_t) {
-        tiles->probability_pairs(scores + g0 * C, C, n_chunk, p_pairs + g0 * 2 * C);
+        tiles->probability_pairs(scores + g0 * C, C, n_chunk, pair_tiles(g0));
       });
 #endif
     for_each_block(value_cache, [&](const T* v_rows, int64_t n, const char* next_run, int64_t t0,
@@ -222,7 +226,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
         RowPrefetch pf = ahead_of(v_rows, next_run, kv_head, g0);
 #if defined(__AMX_BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (amx) return tiles->accumulate(p_pairs + g0 * 2 * C + t0 * 2 * gt, v, n, D, out.acc + g0 * D, pf);
+          if (amx) return tiles->accumulate(pair_tiles(g0) + t0 * 2 * gt, v, n, D, out.acc + g0 * D, pf);
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512VNNI__)
