@@ -380,6 +380,23 @@ def test_pool_sized_from_kv_cache_memory_and_stats_keys():
     assert stats["peak_kv_bytes"] == 6 * per_block  # two prompts of 6 + 3 decoded tokens: 3 blocks each
 
 
+def test_block_size_defaults_to_the_devices():
+    # The CPU decode reads longer runs faster (blocks of 64 there, 16 on CUDA); a given size wins.
+    from minipaged_ops.integration.engine.engine_args import default_block_size
+
+    assert default_block_size("cpu") == 64 and default_block_size(torch.device("cuda", 1)) == 16
+    model = engine_model()
+    engine = LLMEngine(model, num_blocks=4)
+    assert engine.block_size == 64
+    assert LLMEngine(model, num_blocks=4, block_size=8).block_size == 8
+    with pytest.raises(ValueError, match="block_size"):
+        LLMEngine(model, num_blocks=4, block_size=0)
+    prompt = prompts_of([70])[0]  # two blocks of 64
+    out = engine.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(prompt, 5)
+    assert_all_blocks_free(engine)
+
+
 # ---------------------------------------------------------------- the planner
 
 

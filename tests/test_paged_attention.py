@@ -45,7 +45,7 @@ def test_sharp_softmax(dtype, device):
 
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])  # 64: the engine's default on the CPU
 def test_long_sequences(dtype, block_size, device):
     # Past 4,096 tokens: several partitions on both backends, merged.
     case = make_paged_case([4097, 9000, 33], 8, 2, 128, block_size, dtype, device, seed=7)

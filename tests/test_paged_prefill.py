@@ -48,10 +48,12 @@ def test_grid(dtype, heads, head_dim, block_size, device):
 
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_long_histories(dtype, device):
+@pytest.mark.parametrize("block_size", [16, 64])  # 64: the engine's default on the CPU
+def test_long_histories(dtype, block_size, device):
     # Thousands of cached tokens under short and long chunks, and a fresh prompt of several tiles.
     pairs = [(4097, 3), (5000, 300), (600, 600), (2049, 1)]
-    case = make_prefill_case([n for n, _ in pairs], [q for _, q in pairs], 16, 8, 128, 16, dtype, device, seed=7)
+    case = make_prefill_case([n for n, _ in pairs], [q for _, q in pairs], 16, 8, 128, block_size, dtype, device,
+                             seed=7)
     check(case, 128**-0.5, dtype)
 
 

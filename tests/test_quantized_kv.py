@@ -253,6 +253,9 @@ def test_decode_long_sequences(fmt, device):
     check_decode(case, 128**-0.5, torch.bfloat16)
     case = make_case(fmt, [2000, 700, 1], 64, 8, 64, 32, torch.float32, device, seed=seed_of("wide", fmt))
     check_decode(case, 64**-0.5, torch.float32)
+    # Blocks of 64, the engine's default on the CPU: ragged ends inside a block, several partitions.
+    case = make_case(fmt, [4160 + 37, 64, 129], 16, 8, 128, 64, torch.bfloat16, device, seed=seed_of("b64", fmt))
+    check_decode(case, 128**-0.5, torch.bfloat16)
 
 
 @pytest.mark.parametrize("head_dim", [40, 80, 96])

@@ -245,7 +245,7 @@ def test_8_bit_kv_cache_outputs_equal_single_process(model_dir, kv_cache_dtype):
     assert tp_stats["preemptions"] == stats["preemptions"] > 0 and tp_stats["swapped_blocks_out"] > 0
     assert tp_stats["kv_cache_dtype"] == kv_cache_dtype
     # head_dim 16: one byte per element, int8 with a float32 scale per token and kv head
-    float32 = LLMEngine(model, num_blocks=4).kv_bytes_per_block
+    float32 = LLMEngine(model, num_blocks=4, block_size=ENGINE_ARGS["block_size"]).kv_bytes_per_block
     assert 2 * tp_stats["kv_bytes_per_block"] == stats["kv_bytes_per_block"] == float32 * (16 + 4 * (
         kv_cache_dtype == "int8")) // (4 * 16)
     # rank 0 holds kv head 0 only: without the maxima over the ranks its scales would be its own

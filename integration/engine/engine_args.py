@@ -4,12 +4,23 @@ reads from the model and sizes from memory."""
 
 from __future__ import annotations
 
+import torch
+
 from .. import _compat
 from ..kv_pool import blocks_for_memory
 from .front_door import is_int
 from .scheduler import POLICIES, PREEMPTION_MODES
 
-__all__ = ["check_engine_args", "eos_token_ids", "pool_blocks", "text_config"]
+__all__ = ["check_engine_args", "default_block_size", "eos_token_ids", "pool_blocks", "text_config"]
+
+# Token slots per block when the caller names none, by device. On CUDA a block of 16 costs the
+# kernels nothing. On the CPU each block is a scattered run the hardware prefetcher cannot follow
+# into the next, so decode reads short runs slower than memory allows: on a 2-core AMD EPYC (Zen 4)
+# the bfloat16 kernel went from 0.65-0.67 of a contiguous `torch.sum` at blocks of 16 to 0.79-0.82
+# at 64 and 0.82-0.85 at 128, float32 from 0.80 to 0.89-0.90 (bench/read_roof.py
+# --also-block-sizes, bench/RESULTS.md). 64 takes most of that at half 128's granularity (prefix
+# reuse and the unused tail of each sequence's last block).
+DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 64}
 
 
 def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens, preemption_mode,
@@ -18,6 +29,8 @@ def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens
         raise ValueError(f"LLMEngine: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
+        if name == "block_size" and value is None:  # the device's default
+            continue
         if not is_int(value) or value < 1:
             raise ValueError(f"LLMEngine: {name} must be a positive int, got {value!r}")
     if max_num_batched_tokens < max_num_seqs:
@@ -29,6 +42,11 @@ def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens
         raise ValueError(f"LLMEngine: scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}")
     if not is_int(seed):
         raise ValueError(f"LLMEngine: seed must be an int, got {seed!r}")
+
+
+def default_block_size(device) -> int:
+    """The engine's block size when none is given: 64 token slots on the CPU, 16 elsewhere."""
+    return DEFAULT_BLOCK_SIZE.get(torch.device(device).type, DEFAULT_BLOCK_SIZE["cuda"])
 
 
 def pool_blocks(num_blocks, kv_cache_memory, *, bytes_per_block: int, device, max_num_seqs: int,

@@ -28,7 +28,8 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --kv-cache-memory)")
     e.add_argument("--kv-cache-memory", type=float, default=None,
                    help="bytes (> 1) or a fraction of free memory (<= 1) for the KV cache")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=None,
+                   help="token slots per block (default: the device's, 64 on the CPU, 16 on CUDA)")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
