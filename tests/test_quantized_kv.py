@@ -258,6 +258,43 @@ def test_decode_long_sequences(fmt, device):
     check_decode(case, 128**-0.5, torch.bfloat16)
 
 
+def fp8_codes(fmt, subnormal_only):
+    """Every finite code of an fp8 format (both signs), or only its zeros and subnormals."""
+    codes = torch.arange(256, dtype=torch.int32)
+    exponent = (codes & 0x7f) >> (3 if fmt == torch.float8_e4m3fn else 2)
+    finite = (codes & 0x7f) != 0x7f if fmt == torch.float8_e4m3fn else exponent != 31
+    return codes[exponent == 0] if subnormal_only else codes[finite]
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("subnormal_only", [True, False], ids=["subnormals", "all-codes"])
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
+def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, device):
+    # The kernels' fp8 conversions (the CPU's bfloat16 path rebuilds subnormals from a table, since
+    # the pair dot product reads bfloat16 subnormals as zero) against the reference on bytes written
+    # directly: every finite code, or only subnormals with layer scales that make them O(1).
+    g = torch.Generator().manual_seed(seed_of("codes", fmt, subnormal_only))
+    num_kv_heads, head_dim, block_size, seq_lens = 2, 128, 16, [200, 37]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    codes = fp8_codes(fmt, subnormal_only)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache, value_cache = (codes[torch.randint(len(codes), shape, generator=g)].to(torch.uint8).view(fmt)
+                              for _ in range(2))
+    largest = 7 * 2.0**-9 if fmt == torch.float8_e4m3fn else 3 * 2.0**-16  # subnormal
+    layer = 1.0 / largest if subnormal_only else 1.0 / FORMAT_MAX[fmt]
+    key_scale, value_scale = torch.full((1,), 2 * layer), torch.full((1,), layer)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)  # 13 blocks, then 3, one spare
+    block_tables = torch.stack([perm[:13], torch.cat([perm[13:16], torch.full((10,), -7, dtype=torch.int32)])])
+    query = torch.randn(len(seq_lens), 8, head_dim, generator=g).to(query_dtype)
+    dev = torch_device(device)
+    case = dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
+                block_tables=block_tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                key_scale=key_scale.to(dev), value_scale=value_scale.to(dev))
+    out = check_decode(case, head_dim**-0.5, query_dtype)
+    assert out.abs().amax() > 0.05, "outputs too small to tell a lost subnormal"
+
+
 @pytest.mark.parametrize("head_dim", [40, 80, 96])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_cpu_other_head_dims(fmt, head_dim):

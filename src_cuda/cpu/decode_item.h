@@ -53,12 +53,13 @@ struct Partial {
 // blocks (16 bfloat16 tokens: 8 KiB of K/V per kv head) a max, horizontal max and rescale test
 // each: 6-14% faster in cache for bfloat16, float32 within 5%; from memory the same
 // (bench/RESULTS.md).
-// 8-bit caches (T int8_t, fp8_e4m3, fp8_e5m2): the rows convert in registers (load16); an fp8
-// layer's K scale is in q already and its V scale multiplies the result; int8's per-token scales
+// 8-bit caches (T int8_t, fp8_e4m3, fp8_e5m2): the rows convert in registers (load16, or for fp8
+// under a bfloat16 query bf16x32); an fp8 layer's K scale is in q already (in the scores' scale on
+// the bfloat16 path) and its V scale multiplies the result; int8's per-token scales
 // multiply each block's scores (K) and probabilities (V), a float per token and head.
 template <typename T>
 void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence, already scaled
-                      const T* q_raw, float scale,  // the same, as given (unscaled, cache dtype)
+                      const c10::BFloat16* q_bf16, float scale,  // the same as given (unscaled) if bfloat16, else null
                       const T* key_cache, const T* value_cache, const CacheLayout& layout,
                       const int32_t* block_table, int64_t begin, int64_t end, int64_t group, Partial out,
                       std::vector<float>& scratch, const KVScales& kv_scales, bool query_16bit) {
@@ -71,7 +72,9 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const bool amx = false;
 #endif
 #if defined(__AVX512BF16__)
-  const bool bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && B <= 256 && !amx;
+  // fp8 caches too, under a bfloat16 query: their bytes become bfloat16 in registers (bf16x32).
+  const bool bf16_dot = (std::is_same_v<T, c10::BFloat16> || kFp8<T>) && q_bf16 != nullptr && D % 32 == 0 &&
+                        B <= 256 && !amx;
 #else
   const bool bf16_dot = false;
 #endif
@@ -116,7 +119,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     if (amx) {
       tiles.emplace(group);
       for (int64_t kv_head = 0; kv_head < layout.num_kv_heads; ++kv_head)
-        tiles->query_pairs(q_raw + kv_head * group * D, D, q_pairs + kv_head * group * D / 2);
+        tiles->query_pairs(q_bf16 + kv_head * group * D, D, q_pairs + kv_head * group * D / 2);
     }
 #endif
   std::fill(out.max_score, out.max_score + num_heads, -std::numeric_limits<float>::infinity());
@@ -191,8 +194,10 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #endif
         with_tile(gt, [&](auto tile) {
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16>)
-            if (bf16_dot) return tile.scores_bf16(q_raw + g0 * D, scale, k, n, D, scores + g0 * C + t0, C, pf);
+          if constexpr (std::is_same_v<T, c10::BFloat16> || kFp8<T>)
+            if (bf16_dot)  // an fp8 layer's K scale (1 otherwise) applies to the scores
+              return tile.scores_bf16(q_bf16 + g0 * D, scale * kv_scales.key_layer, k, n, D, scores + g0 * C + t0, C,
+                                      pf);
 #endif
 #if defined(__AVX512VNNI__)
           if constexpr (std::is_same_v<T, int8_t>)
@@ -236,7 +241,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #endif
           if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, v_scales + kv_head * B, n);
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if constexpr (std::is_same_v<T, c10::BFloat16> || kFp8<T>)
             if (bf16_dot) return tile.accumulate_bf16(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
 #endif
           tile.accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);

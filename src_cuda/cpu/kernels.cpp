@@ -84,9 +84,9 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
                          Partial partial, std::vector<float>& scratch) {
       auto run = [&](auto* cache_type) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_type)>>;
-        const T* q_cache = nullptr;
-        if constexpr (std::is_same_v<T, scalar_t>) q_cache = q_seq;
-        decode_work_item<T>(q, q_cache, static_cast<float>(scale), static_cast<const T*>(key_cache.const_data_ptr()),
+        const c10::BFloat16* q_bf16 = nullptr;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) q_bf16 = q_seq;
+        decode_work_item<T>(q, q_bf16, static_cast<float>(scale), static_cast<const T*>(key_cache.const_data_ptr()),
                             static_cast<const T*>(value_cache.const_data_ptr()), layout, block_table, begin, end,
                             group, partial, scratch, kv_scales, !std::is_same_v<scalar_t, float>);
       };

@@ -136,7 +136,9 @@ inline f32x16 load16(const c10::Half* p) {
 // apply the scales outside these loops: fp8's per-layer scale / kRawFactor (raw_scale) folded into
 // the query and the output, int8's per-token scales into the scores and probabilities.
 template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
+constexpr bool kFp8 = std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || kFp8<T>;
 
 
 inline f32x16 half_bits_to_float(u16x16 bits) {
