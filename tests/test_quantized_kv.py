@@ -276,7 +276,8 @@ def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, d
     # directly: every finite code, or only subnormals with layer scales that make them O(1).
     g = torch.Generator().manual_seed(seed_of("codes", fmt, subnormal_only))
     num_kv_heads, head_dim, block_size, seq_lens = 2, 128, 16, [200, 37]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 1  # one spare
     codes = fp8_codes(fmt, subnormal_only)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache, value_cache = (codes[torch.randint(len(codes), shape, generator=g)].to(torch.uint8).view(fmt)
@@ -284,8 +285,9 @@ def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, d
     largest = 7 * 2.0**-9 if fmt == torch.float8_e4m3fn else 3 * 2.0**-16  # subnormal
     layer = 1.0 / largest if subnormal_only else 1.0 / FORMAT_MAX[fmt]
     key_scale, value_scale = torch.full((1,), 2 * layer), torch.full((1,), layer)
-    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)  # 13 blocks, then 3, one spare
-    block_tables = torch.stack([perm[:13], torch.cat([perm[13:16], torch.full((10,), -7, dtype=torch.int32)])])
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    block_tables = torch.full((len(seq_lens), max(blocks)), -7, dtype=torch.int32)
+    block_tables[0, :blocks[0]], block_tables[1, :blocks[1]] = perm[:blocks[0]], perm[blocks[0]:sum(blocks)]
     query = torch.randn(len(seq_lens), 8, head_dim, generator=g).to(query_dtype)
     dev = torch_device(device)
     case = dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),

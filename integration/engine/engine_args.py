@@ -15,11 +15,9 @@ __all__ = ["check_engine_args", "default_block_size", "eos_token_ids", "pool_blo
 
 # Token slots per block when the caller names none, by device. On CUDA a block of 16 costs the
 # kernels nothing. On the CPU each block is a scattered run the hardware prefetcher cannot follow
-# into the next, so decode reads short runs slower than memory allows: on a 2-core AMD EPYC (Zen 4)
-# the bfloat16 kernel went from 0.65-0.67 of a contiguous `torch.sum` at blocks of 16 to 0.79-0.82
-# at 64 and 0.82-0.85 at 128, float32 from 0.80 to 0.89-0.90 (bench/read_roof.py
-# --also-block-sizes, bench/RESULTS.md). 64 takes most of that at half 128's granularity (prefix
-# reuse and the unused tail of each sequence's last block).
+# into the next, so decode reads short runs slower than memory allows (bench/read_roof.py
+# --also-block-sizes; the figures are in bench/RESULTS.md). 64 takes most of 128's gain at half its
+# granularity (prefix reuse and the unused tail of each sequence's last block).
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 64}
 
 
