@@ -54,10 +54,15 @@ void check_index_dtype(const at::Tensor& t, const char* name, bool allow_int64) 
               t.scalar_type());
 }
 
-// Reads a 1-D index tensor as int64 on the host (a copy for device or int32 data).
-at::Tensor host_int64(const at::Tensor& t) { return t.to(at::kCPU).to(at::kLong).contiguous(); }
-
 }  // namespace
+
+HostInts::HostInts(const at::Tensor& t) : host_(t.is_cpu() ? t : t.to(at::kCPU)) {
+  TORCH_INTERNAL_ASSERT((host_.scalar_type() == at::kInt || host_.scalar_type() == at::kLong) && host_.dim() <= 2);
+  data_ = host_.const_data_ptr();
+  wide_ = host_.scalar_type() == at::kLong;
+  stride0_ = host_.dim() > 0 ? host_.stride(0) : 0;
+  stride1_ = host_.dim() > 1 ? host_.stride(1) : 0;
+}
 
 CacheLayout check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK_VALUE(key_cache.dim() == 4,
@@ -102,27 +107,29 @@ CacheLayout check_reshape_and_cache(const at::Tensor& key, const at::Tensor& val
 }
 
 void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout) {
-  at::Tensor slots = host_int64(slot_mapping);
-  const int64_t* s = slots.data_ptr<int64_t>();
+  const HostInts slot(slot_mapping);
+  const int64_t num_slots = slot_mapping.size(0);
   // Tokens are written in parallel on both backends, so two tokens for one slot have no defined
   // winner: that input is rejected (the CUDA path checks it under MINIPAGED_VALIDATE=1 only).
   // Sorted copy rather than a hash set: this runs on every cache write, and a sort of a few
   // thousand slots costs less than as many hash-node allocations.
   std::vector<int64_t> sorted;
-  sorted.reserve(slots.numel());
-  for (int64_t i = 0; i < slots.numel(); ++i) {
-    TORCH_CHECK_VALUE(s[i] < layout.num_slots(), "slot_mapping: slot ", s[i], " at index ", i,
+  sorted.reserve(num_slots);
+  for (int64_t i = 0; i < num_slots; ++i) {
+    const int64_t s = slot(i);
+    TORCH_CHECK_VALUE(s < layout.num_slots(), "slot_mapping: slot ", s, " at index ", i,
                       " is out of range: the cache holds ", layout.num_slots(), " slots (",
                       layout.num_blocks, " blocks x ", layout.block_size,
                       "); use a negative slot to skip a token");
-    if (s[i] >= 0) sorted.push_back(s[i]);
+    if (s >= 0) sorted.push_back(s);
   }
   std::sort(sorted.begin(), sorted.end());
   const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
   if (repeated == sorted.end()) return;
-  const int64_t* first = std::find(s, s + slots.numel(), *repeated);
-  const int64_t* second = std::find(first + 1, s + slots.numel(), *repeated);
-  TORCH_CHECK_VALUE(false, "slot_mapping: slot ", *repeated, " appears at indices ", first - s, " and ", second - s,
+  std::vector<int64_t> at;  // the indices holding the repeated slot
+  for (int64_t i = 0; i < num_slots && at.size() < 2; ++i)
+    if (slot(i) == *repeated) at.push_back(i);
+  TORCH_CHECK_VALUE(false, "slot_mapping: slot ", *repeated, " appears at indices ", at[0], " and ", at[1],
                     "; each slot takes at most one token per call");
 }
 
@@ -161,18 +168,16 @@ CacheLayout check_paged_attention_decode(const at::Tensor& query, const at::Tens
 
 void check_decode_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const CacheLayout& layout) {
-  at::Tensor lens = host_int64(seq_lens);
-  at::Tensor tables = block_tables.to(at::kCPU).contiguous();
-  const int64_t width = tables.size(1);
-  const int32_t* table = tables.data_ptr<int32_t>();
-  for (int64_t s = 0; s < lens.numel(); ++s) {
-    int64_t len = lens.data_ptr<int64_t>()[s];
+  const HostInts lens(seq_lens), table(block_tables);
+  const int64_t width = block_tables.size(1);
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    const int64_t len = lens(s);
     TORCH_CHECK_VALUE(len >= 0 && len <= width * layout.block_size, "seq_lens: seq_lens[", s, "] = ",
                       len, " is out of range: expected 0 <= seq_len <= max_blocks_per_seq * block_size = ",
                       width * layout.block_size);
     const int64_t used = (len + layout.block_size - 1) / layout.block_size;
     for (int64_t b = 0; b < used; ++b) {
-      int64_t block = table[s * width + b];
+      const int64_t block = table(s, b);
       TORCH_CHECK_VALUE(layout.valid_block(block), "block_tables: block_tables[", s, "][", b, "] = ",
                         block, " is out of range: expected a block id in [0, ", layout.num_blocks, ")");
     }
@@ -202,28 +207,28 @@ CacheLayout check_paged_attention_prefill(const at::Tensor& query, const at::Ten
 int64_t check_prefill_ranges(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& seq_lens, int64_t total_q, const CacheLayout& layout) {
   check_decode_ranges(block_tables, seq_lens, layout);
-  at::Tensor cu = host_int64(cu_seqlens_q), lens = host_int64(seq_lens);
-  const int64_t* c = cu.data_ptr<int64_t>();
-  const int64_t* l = lens.data_ptr<int64_t>();
-  const int64_t num_seqs = lens.numel();
-  TORCH_CHECK_VALUE(c[0] == 0, "cu_seqlens_q: expected cu_seqlens_q[0] = 0, got ", c[0]);
+  const HostInts c(cu_seqlens_q), l(seq_lens);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(c(0) == 0, "cu_seqlens_q: expected cu_seqlens_q[0] = 0, got ", c(0));
   int64_t longest = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q = c[i + 1] - c[i];
-    TORCH_CHECK_VALUE(q >= 0, "cu_seqlens_q: must not decrease, but cu_seqlens_q[", i + 1, "] = ", c[i + 1],
-                      " < cu_seqlens_q[", i, "] = ", c[i]);
-    TORCH_CHECK_VALUE(q <= l[i], "cu_seqlens_q: sequence ", i, " has ", q, " new tokens but seq_lens[", i, "] = ",
-                      l[i], "; seq_lens counts the new tokens too, so q_i <= seq_lens[i]");
+    const int64_t q = c(i + 1) - c(i);
+    TORCH_CHECK_VALUE(q >= 0, "cu_seqlens_q: must not decrease, but cu_seqlens_q[", i + 1, "] = ", c(i + 1),
+                      " < cu_seqlens_q[", i, "] = ", c(i));
+    TORCH_CHECK_VALUE(q <= l(i), "cu_seqlens_q: sequence ", i, " has ", q, " new tokens but seq_lens[", i, "] = ",
+                      l(i), "; seq_lens counts the new tokens too, so q_i <= seq_lens[i]");
     longest = std::max(longest, q);
   }
-  TORCH_CHECK_VALUE(c[num_seqs] == total_q, "cu_seqlens_q: expected cu_seqlens_q[-1] = ", total_q,
-                    " (total_q, the rows of query), got ", c[num_seqs]);
+  TORCH_CHECK_VALUE(c(num_seqs) == total_q, "cu_seqlens_q: expected cu_seqlens_q[-1] = ", total_q,
+                    " (total_q, the rows of query), got ", c(num_seqs));
   return longest;
 }
 
 void check_max_seq_len(const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len) {
   if (!max_seq_len.has_value() || seq_lens.numel() == 0) return;
-  const int64_t longest = host_int64(seq_lens).max().item<int64_t>();
+  const HostInts lens(seq_lens);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) longest = std::max(longest, lens(s));
   TORCH_CHECK_VALUE(longest <= *max_seq_len, "max_seq_len: ", *max_seq_len,
                     " is smaller than the longest sequence in seq_lens (", longest, ")");
 }
@@ -241,14 +246,13 @@ CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& val
 }
 
 void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layout) {
-  at::Tensor pairs = block_mapping.to(at::kCPU).contiguous();
-  const int64_t* p = pairs.data_ptr<int64_t>();
-  const int64_t n = pairs.size(0);
+  const HostInts pair(block_mapping);
+  const int64_t n = block_mapping.size(0);
   // Copies run in parallel, so a destination must be written once and never read as a source.
   std::unordered_set<int64_t> sources, destinations;
-  for (int64_t i = 0; i < n; ++i) sources.insert(p[2 * i]);
+  for (int64_t i = 0; i < n; ++i) sources.insert(pair(i, 0));
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t src = p[2 * i], dst = p[2 * i + 1];
+    const int64_t src = pair(i, 0), dst = pair(i, 1);
     TORCH_CHECK_VALUE(layout.valid_block(src) && layout.valid_block(dst), "block_mapping: row ", i,
                       " = (", src, ", ", dst, ") is out of range: expected block ids in [0, ",
                       layout.num_blocks, ")");
@@ -308,7 +312,8 @@ LayerScales check_layer_scale_values(KVFormat format, const std::optional<at::Te
   LayerScales out;
   if (format != KVFormat::kFp8E4M3 && format != KVFormat::kFp8E5M2) return out;
   auto read = [](const at::Tensor& t, const char* name) {
-    const float v = t.to(at::kCPU).reshape({}).item<float>();
+    // On the CPU the element is read in place (no dispatcher call, see HostInts).
+    const float v = t.is_cpu() ? *t.const_data_ptr<float>() : t.to(at::kCPU).reshape({}).item<float>();
     TORCH_CHECK_VALUE(std::isfinite(v) && v > 0.f, name, ": expected a finite scale > 0, got ", v);
     return v;
   };

@@ -61,6 +61,26 @@ CacheLayout check_copy_blocks(const at::Tensor& key_cache, const at::Tensor& val
                               const at::Tensor& block_mapping);
 void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layout);
 
+// The integers of a 1-D or 2-D int32 / int64 index tensor, read on the host: a CPU tensor in
+// place through its strides, a device tensor copied once. In place because every op call reads
+// its indices: converting them (.to(int64).contiguous()) is a dispatcher call, an allocation and a
+// copy, and with cold caches that cost ~50 us per op call (bench/RESULTS.md).
+class HostInts {
+ public:
+  explicit HostInts(const at::Tensor& t);
+  int64_t operator()(int64_t i) const { return at(i * stride0_); }
+  int64_t operator()(int64_t i, int64_t j) const { return at(i * stride0_ + j * stride1_); }
+
+ private:
+  int64_t at(int64_t k) const {
+    return wide_ ? static_cast<const int64_t*>(data_)[k] : static_cast<const int32_t*>(data_)[k];
+  }
+  at::Tensor host_;  // the tensor itself, or its copy on the host
+  const void* data_;
+  bool wide_;
+  int64_t stride0_, stride1_;
+};
+
 // MINIPAGED_VALIDATE=1 turns on the (syncing) range checks for device tensors.
 bool validate_device_data();
 

@@ -30,6 +30,16 @@ def good_inputs(device, dtype=torch.float32):
     )
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view: every other element of a tensor twice as wide,
+    the gaps holding 99 (out of range for every op here)."""
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 99, dtype=t.dtype)
+    wide[..., ::2] = t
+    view = wide[..., ::2]
+    assert not view.is_contiguous() and torch.equal(view, t)
+    return view
+
+
 def call_write(a):
     minipaged_ops.reshape_and_cache(a["key"], a["value"], a["key_cache"], a["value_cache"], a["slot_mapping"])
 
@@ -71,6 +81,11 @@ CASES = [
     (call_decode, "block_tables", lambda a: torch.tensor([[5, 6], [0, 2], [3, 4]], dtype=torch.int32, device=a["query"].device), "block_tables[0][1] = 6"),
     (call_decode, "block_tables", lambda a: torch.tensor([[5, 1], [-3, 2], [3, 4]], dtype=torch.int32, device=a["query"].device), "block_tables[1][0] = -3"),
     (call_decode, "value_cache", lambda a: a["value_cache"][:5], "value_cache: expected shape"),
+    # index tensors are read through their strides: a bad entry of a strided view is found where it is
+    (call_decode, "block_tables", lambda a: strided(torch.tensor([[5, 6], [0, 2], [3, 4]], dtype=torch.int32)).to(a["query"].device), "block_tables[0][1] = 6"),
+    (call_write, "slot_mapping", lambda a: strided(torch.tensor([0, 9, -1, 9, 20])).to(a["key"].device), "slot 9 appears at indices 1 and 3"),
+    (call_write, "slot_mapping", lambda a: torch.tensor([0, 1, 2, 48, 3], dtype=torch.int32, device=a["key"].device), "slot_mapping: slot 48"),
+    (call_copy, "block_mapping", lambda a: strided(torch.tensor([[0, 6]])).to(a["key_cache"].device), "block_mapping: row 0 = (0, 6)"),
     # copy_blocks
     (call_copy, "block_mapping", lambda a: a["block_mapping"].int(), "block_mapping: expected dtype int64"),
     (call_copy, "block_mapping", lambda a: a["block_mapping"][:, :1], "block_mapping: expected shape"),
@@ -104,6 +119,31 @@ def test_device_mismatch(op):
         a[name] = a[name].cpu()
     with pytest.raises(ERRORS, match="expected a tensor on cuda"):
         op(a)
+
+
+def test_strided_and_int32_indices_give_the_same_results():
+    """The CPU ops read index tensors in place, through their strides and in either width: the
+    same values laid out differently must give the same output and the same cache."""
+    a = good_inputs("cpu")
+    expected = minipaged_ops.paged_attention_decode(a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                                                    a["seq_lens"], 0.125, max_seq_len=16)
+    got = minipaged_ops.paged_attention_decode(a["query"], a["key_cache"], a["value_cache"], strided(a["block_tables"]),
+                                               strided(a["seq_lens"]), 0.125, max_seq_len=16)
+    assert torch.equal(got, expected)
+    caches = []
+    for slots in (a["slot_mapping"], strided(a["slot_mapping"].int())):
+        b = good_inputs("cpu")
+        minipaged_ops.reshape_and_cache(b["key"], b["value"], b["key_cache"], b["value_cache"], slots)
+        caches.append((b["key_cache"], b["value_cache"]))
+    assert all(torch.equal(x, y) for x, y in zip(*caches))
+    for mapping in (a["block_mapping"], strided(a["block_mapping"])):
+        b = good_inputs("cpu")
+        minipaged_ops.copy_blocks(b["key_cache"], b["value_cache"], mapping)
+        caches.append((b["key_cache"], b["value_cache"]))
+    assert all(torch.equal(x, y) for x, y in zip(*caches[2:]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        minipaged_ops.paged_attention_decode(a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                                             strided(a["seq_lens"]), 0.125, max_seq_len=15)
 
 
 def test_max_seq_len_smaller_than_a_sequence():

@@ -71,9 +71,11 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
   const at::Tensor tables = block_tables.contiguous();
   // Partials of partitioned sequences only; a sequence in one partition is written directly.
   const int64_t stored_parts = num_parts > 1 ? num_parts : 0;
-  at::Tensor max_score = at::empty({num_seqs, num_heads, stored_parts}, query.options().dtype(at::kFloat));
-  at::Tensor exp_sum = at::empty_like(max_score);
-  at::Tensor acc = at::empty({num_seqs, num_heads, stored_parts, D}, max_score.options());
+  // One buffer for the partials' max scores, exponential sums and accumulators ([num_seqs,
+  // num_heads, stored_parts] each, the last times head_dim): each allocation is a dispatcher
+  // call, tens of microseconds with cold caches.
+  const int64_t num_partials = num_seqs * num_heads * stored_parts;
+  at::Tensor partials = at::empty({num_partials * (2 + D)}, query.options().dtype(at::kFloat));
   at::Tensor out = at::empty({num_seqs, num_heads, D}, query.options());
 
   MINIPAGED_DISPATCH(query.scalar_type(), "paged_attention_decode_cpu", [&] {
@@ -97,9 +99,9 @@ at::Tensor paged_attention_decode_cpu(const at::Tensor& query, const at::Tensor&
         default: return run(static_cast<const scalar_t*>(nullptr));
       }
     };
-    float* mp = max_score.data_ptr<float>();
-    float* ep = exp_sum.data_ptr<float>();
-    float* ap = acc.data_ptr<float>();
+    float* mp = partials.data_ptr<float>();
+    float* ep = mp + num_partials;
+    float* ap = ep + num_partials;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t items = num_seqs * num_parts;
     // Work items are handed out one at a time from a shared counter rather than in fixed
@@ -224,7 +226,10 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
   const LayerScales layer = check_layer_scale_values(format, key_scale, value_scale);
   check_slot_range(slot_mapping, layout);
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  // int64 and contiguous (what the engine passes) is read as it is, without a dispatcher call.
+  const at::Tensor slots = slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous()
+                               ? slot_mapping
+                               : slot_mapping.to(at::kLong).contiguous();
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t D = layout.head_dim;
   if (format != KVFormat::kNone) {
