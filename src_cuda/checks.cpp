@@ -126,10 +126,10 @@ void check_slot_range(const at::Tensor& slot_mapping, const CacheLayout& layout)
   std::sort(sorted.begin(), sorted.end());
   const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
   if (repeated == sorted.end()) return;
-  std::vector<int64_t> at;  // the indices holding the repeated slot
-  for (int64_t i = 0; i < num_slots && at.size() < 2; ++i)
-    if (slot(i) == *repeated) at.push_back(i);
-  TORCH_CHECK_VALUE(false, "slot_mapping: slot ", *repeated, " appears at indices ", at[0], " and ", at[1],
+  std::vector<int64_t> indices;  // the first two holding the repeated slot
+  for (int64_t i = 0; i < num_slots && indices.size() < 2; ++i)
+    if (slot(i) == *repeated) indices.push_back(i);
+  TORCH_CHECK_VALUE(false, "slot_mapping: slot ", *repeated, " appears at indices ", indices[0], " and ", indices[1],
                     "; each slot takes at most one token per call");
 }
 

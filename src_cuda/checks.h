@@ -68,11 +68,11 @@ void check_copy_ranges(const at::Tensor& block_mapping, const CacheLayout& layou
 class HostInts {
  public:
   explicit HostInts(const at::Tensor& t);
-  int64_t operator()(int64_t i) const { return at(i * stride0_); }
-  int64_t operator()(int64_t i, int64_t j) const { return at(i * stride0_ + j * stride1_); }
+  int64_t operator()(int64_t i) const { return element(i * stride0_); }
+  int64_t operator()(int64_t i, int64_t j) const { return element(i * stride0_ + j * stride1_); }
 
  private:
-  int64_t at(int64_t k) const {
+  int64_t element(int64_t k) const {
     return wide_ ? static_cast<const int64_t*>(data_)[k] : static_cast<const int32_t*>(data_)[k];
   }
   at::Tensor host_;  // the tensor itself, or its copy on the host
