@@ -226,15 +226,11 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const KVFormat format = check_kv_scales(key_cache, layout, key_scale, value_scale);
   const LayerScales layer = check_layer_scale_values(format, key_scale, value_scale);
   check_slot_range(slot_mapping, layout);
-  // int64 and contiguous (what the engine passes) is read as it is, without a dispatcher call.
-  const at::Tensor slots = slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous()
-                               ? slot_mapping
-                               : slot_mapping.to(at::kLong).contiguous();
-  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const HostInts slot(slot_mapping);
   const int64_t D = layout.head_dim;
   if (format != KVFormat::kNone) {
     const bool per_token = format == KVFormat::kInt8;
-    return cpu::quantize_and_cache(key, value, key_cache, value_cache, sp, layout, format,
+    return cpu::quantize_and_cache(key, value, key_cache, value_cache, slot, layout, format,
                                    per_token ? key_scale->data_ptr<float>() : nullptr,
                                    per_token ? value_scale->data_ptr<float>() : nullptr, layer.key, layer.value);
   }
@@ -250,7 +246,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
     const bool streaming = written > kStreamingWriteBytes;
     const int64_t head_stride = layout.block_size * D;  // between one slot's rows of two kv heads
     auto write = [&](const Source& src, scalar_t* dst_base, int64_t i) {
-      scalar_t* const first_row = dst_base + layout.slot_row(sp[i], 0);  // one division per token
+      scalar_t* const first_row = dst_base + layout.slot_row(slot(i), 0);  // one division per token
       for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
         const scalar_t* from = src.data + i * src.token_stride + h * src.head_stride;
         scalar_t* to = first_row + h * head_stride;
@@ -265,7 +261,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
     scalar_t* vc = value_cache.data_ptr<scalar_t>();
     at::parallel_for(0, key.size(0), 64, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
-        if (sp[i] < 0) continue;
+        if (slot(i) < 0) continue;
         write(sources[0], kc, i);
         write(sources[1], vc, i);
       }

@@ -37,7 +37,7 @@ static void quantize_row(const float* row, int64_t D, KVFormat format, void* to,
 }
 
 void quantize_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                        const int64_t* slots, const CacheLayout& layout, KVFormat format, float* key_scales,
+                        const HostInts& slot, const CacheLayout& layout, KVFormat format, float* key_scales,
                         float* value_scales, float key_layer_scale, float value_layer_scale) {
   const int64_t D = layout.head_dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "quantize_and_cache", [&] {
@@ -56,12 +56,13 @@ void quantize_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tens
     at::parallel_for(0, key.size(0), 16, [&](int64_t lo, int64_t hi) {
       std::vector<float> row(D);
       for (int64_t i = lo; i < hi; ++i) {
-        if (slots[i] < 0) continue;
+        const int64_t s = slot(i);
+        if (s < 0) continue;
         for (const Side& side : sides)
           for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
             const scalar_t* from = side.data + i * side.token_stride + h * side.head_stride;
             for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(from[d * side.dim_stride]);
-            const int64_t at = layout.slot_row(slots[i], h);  // bytes: one per element
+            const int64_t at = layout.slot_row(s, h);  // bytes: one per element
             quantize_row(row.data(), D, format, side.cache + at, side.scales == nullptr ? nullptr : side.scales + at / D,
                          side.inv_layer);
           }
