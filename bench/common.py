@@ -48,12 +48,13 @@ def cpu_flush_bytes() -> int:
     return min(max(2 * largest, 128 << 20), 2 << 30)
 
 
-def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu", cold: bool = True) -> dict:
-    """Median time of each function, timed in alternation (a, b, c, a, b, c, ...) so that a
-    busy moment on a shared machine lands on all of them alike. With `cold` (the default) every
-    timed run starts from the same state, caches full of other data: on a GPU a 512 MiB write
-    (more than any L2), on a CPU a read of twice the largest cache (cpu_flush_bytes), untimed.
-    CUDA runs use events."""
+def interleaved_times(fns: dict, iters: int, warmup: int = 2, device: str = "cpu", cold: bool = True) -> dict:
+    """Each function's `iters` times, timed in alternation (a, b, c, a, b, c, ...) so that a
+    busy moment on a shared machine lands on all of them alike: the i-th times of two functions
+    were taken moments apart, so their ratio is steadier than the ratio of their medians. With
+    `cold` (the default) every timed run starts from the same state, caches full of other data: on
+    a GPU a 512 MiB write (more than any L2), on a CPU a read of twice the largest cache
+    (cpu_flush_bytes), untimed. CUDA runs use events."""
     flush = None
     if device == "cuda":
         flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
@@ -66,7 +67,18 @@ def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "c
     for _ in range(iters):
         for name, fn in fns.items():
             times[name].append(_time_once(fn, device, flush))
+    return times
+
+
+def interleaved_medians(fns: dict, iters: int, warmup: int = 2, device: str = "cpu", cold: bool = True) -> dict:
+    """Median time of each function, timed as interleaved_times does."""
+    times = interleaved_times(fns, iters, warmup, device, cold)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def median_ratio(times: dict, a, b) -> float:
+    """Median over rounds of times[a][i] / times[b][i] (interleaved_times)."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def median_seconds(fn, iters: int, warmup: int = 3, device: str = "cpu") -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
 from common import (DTYPES, QuantizedPool, add_cpu_decode_args, busy_core, cpu_decode_problem,  # noqa: E402
-                    interleaved_medians, print_table, sdpa_decode)
+                    interleaved_times, median_ratio, print_table, sdpa_decode)
 
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -80,13 +81,18 @@ def main(argv=None) -> None:
         # Against the bfloat16 cache's output: the format's error, not the kernel's (the tests
         # check the kernel against the reference on the dequantized K/V).
         errors[k] = (fns["paged", k]().double() - fns["paged", "bfloat16"]().double()).abs().max().item()
-    # The read roof: a large sum over as many bytes as the biggest K+V, timed in the same alternation.
-    roof_bytes = max(p.kv_bytes for p in problems.values())
-    roof_buf = torch.ones(roof_bytes // 4, dtype=torch.float32)
-    fns["sum", None] = roof_buf.sum
+    # The read roof of each row: a float32 sum over as many bytes as that row's K+V reads (its own
+    # call and thread costs included, as the kernel's are), timed in the same alternation.
+    kv_bytes = {**{d: p.kv_bytes for d, p in problems.items()}, **{k: q.kv_bytes for k, q in quantized.items()}}
+    for nbytes in sorted(set(kv_bytes.values()), reverse=True):
+        fns["sum", nbytes] = torch.ones(nbytes // 4, dtype=torch.float32).sum
     with busy_core(args.busy):
-        t = interleaved_medians(fns, args.iters, cold=not args.in_cache)
-    read_bw = roof_bytes / t["sum", None]
+        times = interleaved_times(fns, args.iters, cold=not args.in_cache)
+    t = {name: statistics.median(ts) for name, ts in times.items()}
+
+    def share(kind, d):  # of the row's roof, median over rounds: memory drifts by half within minutes here
+        return f"{100 * median_ratio(times, ('sum', kv_bytes[d]), (kind, d)):.0f}%"
+
     print(("IN-CACHE (every table entry names one of 4 blocks): " if args.in_cache else "")
           + ("BUSY (another process spinning on a core): " if args.busy else "")
           + f"decode: batch {args.batch} x {args.seq_len} tokens, heads {args.num_heads}/{args.num_kv_heads}/"
@@ -94,7 +100,8 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()} threads; "
           + "; ".join(f"{d}: K+V {p.kv_bytes / 2**20:.0f} MiB, max |paged - sdpa| = {errors[d]:.1e}"
                       for d, p in problems.items()))
-    print(f"read bandwidth (sum over {roof_bytes / 2**20:.0f} MiB, timed alongside): {read_bw / 1e9:.1f} GB/s")
+    print("read bandwidth (a float32 sum over each row's bytes, timed alongside): "
+          + ", ".join(f"{n / 2**20:.0f} MiB {n / t['sum', n] / 1e9:.1f} GB/s" for n in sorted(set(kv_bytes.values()))))
     if quantized:
         print("8-bit caches (same blocks, bfloat16 query; max |out - bfloat16 cache's out|): "
               + "; ".join(f"{k}: K+V {q.kv_bytes / 2**20:.0f} MiB with scales, {errors[k]:.1e}"
@@ -106,13 +113,13 @@ def main(argv=None) -> None:
                 continue
             sec = t[kind, d]
             rows.append(dict(dtype=d, kernel=name, ms=f"{sec * 1e3:.3f}", GBps=f"{p.kv_bytes / sec / 1e9:.1f}",
-                             pct_read_bw=f"{100 * p.kv_bytes / sec / read_bw:.0f}%",
+                             pct_read_bw=share(kind, d),
                              speedup_vs_sdpa=f"{t['sdpa', d] / sec:.2f}x" if ("sdpa", d) in t else "-"))
     for k, q in quantized.items():
         sec = t["paged", k]
         rows.append(dict(dtype=k, kernel="minipaged paged", ms=f"{sec * 1e3:.3f}", GBps=f"{q.kv_bytes / sec / 1e9:.1f}",
-                         pct_read_bw=f"{100 * q.kv_bytes / sec / read_bw:.0f}%", speedup_vs_sdpa="-",
-                         vs_bfloat16_cache=f"{t['paged', 'bfloat16'] / sec:.2f}x"))
+                         pct_read_bw=share("paged", k), speedup_vs_sdpa="-",
+                         vs_bfloat16_cache=f"{median_ratio(times, ('paged', 'bfloat16'), ('paged', k)):.2f}x"))
     print_table(rows, ["dtype", "kernel", "ms", "GBps", "pct_read_bw", "speedup_vs_sdpa"]
                 + (["vs_bfloat16_cache"] if quantized else []))
     per_byte = {d: problems[d].kv_bytes / t["paged", d] for d in problems}
