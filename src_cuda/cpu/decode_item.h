@@ -21,11 +21,11 @@
 namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
 
-// How far ahead of the rows being computed K/V lines are prefetched, in reading order. A few KiB
-// covers memory latency at one core's bandwidth and stays well inside L1; a whole block ahead
-// (64 KiB in float32) does not. Measured 4-11% better than prefetching the next block's rows
-// (bench/RESULTS.md).
-constexpr int64_t kAheadBytes = 4096;
+// How far ahead of the rows being computed K/V lines are prefetched (into L2, see prefetch()), in
+// reading order: 16 KiB covers memory latency while the arithmetic runs at its in-cache pace (an
+// 8-bit row is consumed at 50+ GB/s). 4 KiB, into L1, left a one-thread decode waiting on memory
+// for most of its arithmetic (bench/RESULTS.md).
+constexpr int64_t kAheadBytes = 16 << 10;
 // Most bytes of scores a work item holds at once (a chunk of blocks, every query head), small
 // enough to stay in L1/L2 between Q.K and P.V: 512 tokens per chunk at 16 heads, 128 at 64.
 constexpr int64_t kChunkScoreBytes = 32 << 10;
