@@ -297,6 +297,34 @@ def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, d
     assert out.abs().amax() > 0.05, "outputs too small to tell a lost subnormal"
 
 
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
+def test_one_token_decode_returns_every_fp8_code_bit_exact(fmt, query_dtype, device):
+    # A sequence of one token attends to it with weight 1, so the output is its V row times the
+    # layer scale: with a power-of-two scale, every fp8 code's value exactly (a tolerance would let a
+    # conversion off by one bfloat16 unit in a single code pass).
+    codes = fp8_codes(fmt, subnormal_only=False)
+    num_seqs, num_kv_heads, head_dim, block_size = 2, 2, 128, 16
+    rows = num_seqs * num_kv_heads
+    assert rows * head_dim >= len(codes)
+    value_bytes = codes[torch.arange(rows * head_dim) % len(codes)].reshape(num_seqs, num_kv_heads, head_dim)
+    value_cache = torch.zeros(num_seqs + 1, num_kv_heads, block_size, head_dim, dtype=torch.uint8)
+    value_cache[torch.arange(num_seqs) + 1, :, 0] = value_bytes.to(torch.uint8)  # block 0 unused
+    value_cache = value_cache.view(fmt)
+    key_cache = torch.zeros_like(value_cache)
+    value_scale = 2.0**-3
+    query = torch.randn(num_seqs, num_kv_heads * 4, head_dim, generator=torch.Generator().manual_seed(5))
+    dev = torch_device(device)
+    out = minipaged_ops.paged_attention_decode(
+        query.to(query_dtype).to(dev), key_cache.to(dev), value_cache.to(dev),
+        (torch.arange(num_seqs, dtype=torch.int32) + 1)[:, None].to(dev),
+        torch.ones(num_seqs, dtype=torch.int32, device=dev), head_dim**-0.5,
+        key_scale=torch.ones(1, device=dev), value_scale=torch.full((1,), value_scale, device=dev))
+    expected = value_bytes.to(torch.uint8).view(fmt).float().repeat_interleave(4, dim=1) * value_scale
+    assert torch.equal(out.cpu().float(), expected)
+
+
 @pytest.mark.parametrize("head_dim", [40, 80, 96])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_cpu_other_head_dims(fmt, head_dim):

@@ -27,8 +27,10 @@ bool cpu_has(const char* isa) {
                       __builtin_cpu_supports("avx512vl");
   if (name == "avx2") return avx2;
   if (name == "avx512") return avx512;
-  // Every CPU with AVX512-BF16 so far has AVX512-VNNI too (int8 caches use its 16-bit dot products).
-  const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  // Every CPU with AVX512-BF16 so far has AVX512-VNNI too (int8 caches use its 16-bit dot products);
+  // all but Cooper Lake have AVX512-VBMI (fp8 caches look their bytes up with it), which then takes avx512.
+  const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+                           __builtin_cpu_supports("avx512vbmi");
   if (name == "avx512_bf16") return avx512_bf16;
   if (name == "avx512_amx")
     return avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && os_allows_amx();

@@ -12,7 +12,7 @@ namespace {
 // Into L2 (prefetcht2), not L1: an L1 prefetch holds one of the core's few L1 miss buffers until
 // its line arrives from memory, so a stream far enough ahead to cover memory latency stalls the
 // kernel's own loads; L2 tracks many more misses, and a line moves from L2 to L1 in a few cycles
-// (bench/RESULTS.md: 8-bit decode 1.35x faster on one thread, 1.15x on two).
+// (bench/RESULTS.md: 8-bit decode 1.3-1.5x faster on one thread from memory, 1.15-1.25x on two).
 // always_inline, as every helper that only prefetches: GCC counts prefetches as no side effect, so
 // it may drop a call to such a function once it also reads a global (seen: an early return on a
 // global flag removed every page touch of the decode kernel).

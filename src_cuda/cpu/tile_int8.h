@@ -93,9 +93,11 @@ struct Int8Tile {
     for (int c = 1; c < DC; ++c) chunk(c, std::false_type{});
     f32x4 token_scales;
     std::memcpy(&token_scales, k_scales, sizeof(token_scales));
+    using i32x16 = int32_t __attribute__((vector_size(64)));
+    auto as_i32 = [](__m512i v) { return reinterpret_cast<const i32x16&>(v); };
     for (int h = 0; h < H; ++h) {
-      const f32x4 s = hsum4(as_float(a[0][h]), as_float(a[1][h]), as_float(a[2][h]), as_float(a[3][h])) *
-                      (token_scales * q_scale[h]);
+      const auto sums = hsum4(as_i32(a[0][h]), as_i32(a[1][h]), as_i32(a[2][h]), as_i32(a[3][h]));  // exact
+      const f32x4 s = __builtin_convertvector(sums, f32x4) * (token_scales * q_scale[h]);
       std::memcpy(scores + h * stride, &s, sizeof(s));
     }
   }

@@ -62,17 +62,20 @@ inline float hmax(f32x16 v) {
 // The four horizontal sums of a, b, c, d at once: a 4x4 transpose-and-add inside each 128-bit
 // lane, then the lanes added. 13 shuffles and adds instead of 4 x 9 for four hsum calls, which
 // matters because a decode kernel does one per token and query head.
-inline f32x4 hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+// For 16-lane float32 or int32 vectors (int8 caches sum their exact int32 products first and
+// convert the four totals once).
+template <typename V16>
+inline auto hsum4(V16 a, V16 b, V16 c, V16 d) {
   // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
-  const f32x16 ab = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
-                    __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
-  const f32x16 cd = __builtin_shufflevector(c, d, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
-                    __builtin_shufflevector(c, d, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const V16 ab = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                 __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const V16 cd = __builtin_shufflevector(c, d, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                 __builtin_shufflevector(c, d, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
   // Per lane: [a, b, c, d] partial sums.
-  const f32x16 abcd = __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-                      __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const f32x8 half = __builtin_shufflevector(abcd, abcd, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(abcd, abcd, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V16 abcd = __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                   __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const auto half = __builtin_shufflevector(abcd, abcd, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(abcd, abcd, 8, 9, 10, 11, 12, 13, 14, 15);
   return __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
 }
 
