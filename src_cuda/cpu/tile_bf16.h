@@ -20,7 +20,7 @@ namespace {
 // decode returns every code bit for bit). 7 instructions per 32 e4m3 elements (9 for e5m2) instead
 // of widening to float32 twice, and then half as many multiply-add instructions: 1.4x faster than
 // load32 + fmadd in a throwaway in-cache loop on Zen 4. The kernels take 64 at a time (bf16x64),
-// which looks the bytes up instead where the CPU has AVX512-VBMI.
+// which looks the bytes up instead where the CPU has AVX512-VBMI and no AMX.
 inline __m512i bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
 // The bfloat16 bits of m x 2^e for a small integer m (0 < m < 8).
 constexpr uint16_t bf16_bits_of(int m, int e) {
@@ -79,7 +79,9 @@ inline __m512i bf16x32(const fp8_e5m2* p) {
 inline void bf16x64(const c10::BFloat16* p, __m512i& first, __m512i& second) {
   first = bf16x32(p), second = bf16x32(p + 32);
 }
-#if defined(__AVX512VBMI__)
+// Not on the AMX variant: on the Intel Xeon measured, each byte permute cost ~1.3 cycles and an
+// earlier lookup was slower than converting (bench/RESULTS.md, 2026-12-06 09:00).
+#if defined(__AVX512VBMI__) && !defined(__AMX_BF16__)
 struct Fp8ByteTables {
   alignas(64) uint8_t lo[128] = {}, hi[128] = {};
   // Where each output byte comes from: lo[i] at i, hi[i] at 64 + i (vpermt2b's two sources).
