@@ -82,6 +82,7 @@ inline void bf16x64(const c10::BFloat16* p, __m512i& first, __m512i& second) {
 // Not on the AMX variant: on the Intel Xeon measured, each byte permute cost ~1.3 cycles and an
 // earlier lookup was slower than converting (bench/RESULTS.md, 2026-12-06 09:00).
 #if defined(__AVX512VBMI__) && !defined(__AMX_BF16__)
+#define MINIPAGED_FP8_LOOKUP 1
 struct Fp8ByteTables {
   alignas(64) uint8_t lo[128] = {}, hi[128] = {};
   // Where each output byte comes from: lo[i] at i, hi[i] at 64 + i (vpermt2b's two sources).
@@ -237,10 +238,65 @@ struct Bf16Tile {
     // walked row pair by row pair, and there are enough of them to hide the dot product's latency.
     constexpr int C = 2 * GT * 4 <= 24 ? 4 : 2 * GT * 2 <= 24 ? 2 : 1;
     int64_t d = 0;
+#if defined(MINIPAGED_FP8_LOOKUP)
+    if constexpr (kFp8<T> && C % 2 == 0) {
+      for (; d + C * 32 <= D; d += C * 32) accumulate_fp8_panel<C / 2>(packed, v, n, D, acc + d, d, pf);
+    }
+#endif
     for (; d + C * 32 <= D; d += C * 32) accumulate_bf16_panel<C>(packed, v, n, D, acc + d, d, pf);
     for (; d < D; d += 32) accumulate_bf16_panel<1>(packed, v, n, D, acc + d, d, pf);
     pf.upto(pf.rows);
   }
+#if defined(MINIPAGED_FP8_LOOKUP)
+  // accumulate_bf16_panel for fp8 rows, 64 columns at a time per group: rows t and t+1 interleaved
+  // byte by byte first (two unpacks for 64 columns), then each byte pair looked up, so the lookups'
+  // own interleave yields the bfloat16 pairs: 12 instructions per row pair and 64 columns instead
+  // of 16. The block's sums, started from zero, come out in another order and are added to acc in
+  // unpack order (add_in_unpack_order).
+  template <int G, typename T>
+  static void accumulate_fp8_panel(const uint32_t (*packed)[kMaxPairs], const T* v, int64_t n, int64_t D, float* acc,
+                                   int64_t d, RowPrefetch& pf) {
+    const Fp8ByteTables& t = std::is_same_v<T, fp8_e4m3> ? kE4m3Bytes : kE5m2Bytes;
+    const __m512i lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
+    const __m512i hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 sums[GT][G][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < G; ++c)
+        for (int k = 0; k < 4; ++k) sums[g][c][k] = _mm512_setzero_ps();
+    v += d;
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      pf.upto(2 * i + 2);
+      __m512bh pp[GT];
+#pragma GCC unroll 8
+      for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+      const bool pair = 2 * i + 1 < n;
+#pragma GCC unroll 4
+      for (int c = 0; c < G; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 2 * i * D + c * 64);
+        const __m512i b = pair ? _mm512_loadu_si512(v + (2 * i + 1) * D + c * 64) : _mm512_setzero_si512();
+        const __m512i halves[2] = {_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)};
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m512i lo = _mm512_permutex2var_epi8(lo0, halves[h], lo1);
+          const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, halves[h], hi1), halves[h], sign, 0xf8);
+          const __m512bh p0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), p1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 8
+          for (int g = 0; g < GT; ++g) {
+            sums[g][c][2 * h] = _mm512_dpbf16_ps(sums[g][c][2 * h], p0, pp[g]);
+            sums[g][c][2 * h + 1] = _mm512_dpbf16_ps(sums[g][c][2 * h + 1], p1, pp[g]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < G; ++c) add_in_unpack_order(sums[g][c], acc + g * D + c * 64);
+  }
+#endif
   // acc[g][0, 32 C) (row stride D) += the pairs' products over v's columns [d, d + 32 C). The first
   // panel also trickles out the prefetch (pf), a row pair at a time.
   template <int C, typename T>

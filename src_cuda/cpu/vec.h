@@ -253,6 +253,19 @@ inline __mmask16 first_lanes(int64_t count) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// out[0, 64) += P in unpack order (from_unpack_order's layout: columns [0, 32) as lo then hi, then
+// [32, 64)), where P[k] holds columns 16L + 4k + j at lane 4L + j: the order that interleaving two
+// rows byte by byte and looking the bytes up gives (fp8 P.V). Once per block, not in the hot loop.
+inline void add_in_unpack_order(const __m512 (&P)[4], float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 parts[4] = {_mm512_permutex2var_ps(P[0], first, P[2]), _mm512_permutex2var_ps(P[1], first, P[3]),
+                           _mm512_permutex2var_ps(P[0], last, P[2]), _mm512_permutex2var_ps(P[1], last, P[3])};
+  for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + 16 * k, _mm512_add_ps(_mm512_loadu_ps(out + 16 * k), parts[k]));
+}
+#endif
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) store(y + i, load(y + i) + alpha * load(x + i));
