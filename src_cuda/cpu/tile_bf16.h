@@ -247,6 +247,11 @@ struct Bf16Tile {
     for (; d < D; d += 32) accumulate_bf16_panel<1>(packed, v, n, D, acc + d, d, pf);
     pf.upto(pf.rows);
   }
+  // Every head's weights of token pair i, broadcast: (p[2i], p[2i + 1]) as a bfloat16 pair.
+  __attribute__((always_inline)) static void pair_weights(const uint32_t (*packed)[kMaxPairs], int64_t i, __m512bh (&pp)[GT]) {
+#pragma GCC unroll 8
+    for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+  }
 #if defined(MINIPAGED_FP8_LOOKUP)
   // accumulate_bf16_panel for fp8 rows, 64 columns at a time per group: rows t and t+1 interleaved
   // byte by byte first (two unpacks for 64 columns), then each byte pair looked up, so the lookups'
@@ -270,8 +275,7 @@ struct Bf16Tile {
     for (int64_t i = 0; 2 * i < n; ++i) {
       pf.upto(2 * i + 2);
       __m512bh pp[GT];
-#pragma GCC unroll 8
-      for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+      pair_weights(packed, i, pp);
       const bool pair = 2 * i + 1 < n;
 #pragma GCC unroll 4
       for (int c = 0; c < G; ++c) {
@@ -312,8 +316,7 @@ struct Bf16Tile {
     for (int64_t i = 0; 2 * i < n; ++i) {
       pf.upto(2 * i + 2);
       __m512bh pp[GT];
-#pragma GCC unroll 8
-      for (int g = 0; g < GT; ++g) pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[g][i]));
+      pair_weights(packed, i, pp);
       auto add = [&](int c, __m512i a, __m512i b) __attribute__((always_inline)) {
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
 #pragma GCC unroll 8
