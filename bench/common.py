@@ -259,7 +259,9 @@ def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    """A cell a row lacks prints as "-", so every row keeps every column (compare_revisions parses
+    rows by their cells: a blank one dropped the row)."""
+    widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))
+        print("  ".join(str(r.get(c, "-")).ljust(widths[c]) for c in columns))
