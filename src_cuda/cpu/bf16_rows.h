@@ -73,9 +73,11 @@ inline __m512i bf16x32(const fp8_e5m2* p) {
 // a byte's bfloat16 bits looked up whole, its low and its high byte each in a 128-entry table of
 // the 7-bit magnitudes (vpermi2b looks up 64 bytes at once), the sign or-ed in, and the two bytes
 // interleaved: 6 instructions for 64 elements where bf16x32 takes 14 (e4m3) or 18 (e5m2); fp8
-// decode in cache 0.83x (e4m3) and 0.77x (e5m2) of the time on Zen 4 (bench/RESULTS.md). The
-// tables hold bf16x32's results, spelled for constant evaluation, so the two agree on every byte.
-inline void bf16x64(const c10::BFloat16* p, __m512i& first, __m512i& second) {
+// decode, with tile_bf16.h's P.V on the same tables, in cache 0.76x (e4m3) and 0.70x (e5m2) of the
+// time on Zen 4 (bench/RESULTS.md). The tables hold bf16x32's results, spelled for constant
+// evaluation, so the two agree on every byte. Everything else: two bf16x32.
+template <typename T>
+inline void bf16x64(const T* p, __m512i& first, __m512i& second) {
   first = bf16x32(p), second = bf16x32(p + 32);
 }
 // Not on the AMX variant: on the Intel Xeon measured, each byte permute cost ~1.3 cycles and an
@@ -102,8 +104,11 @@ constexpr Fp8ByteTables kE4m3Bytes([](int c) {
 constexpr Fp8ByteTables kE5m2Bytes([](int c) {
   return static_cast<uint16_t>(c >> 2 == 0 || c >> 2 == 31 ? kFp8Tables.e5m2[c & 31] : (c << 5) + 0x3800);
 });
+template <typename T>  // fp8_e4m3 or fp8_e5m2
+constexpr const Fp8ByteTables& kFp8Bytes = std::is_same_v<T, fp8_e4m3> ? kE4m3Bytes : kE5m2Bytes;
 template <typename T>
-inline void bf16x64_lookup(const T* p, const Fp8ByteTables& t, __m512i& first, __m512i& second) {
+inline void bf16x64_lookup(const T* p, __m512i& first, __m512i& second) {
+  const Fp8ByteTables& t = kFp8Bytes<T>;
   const __m512i bytes = _mm512_loadu_si512(p);
   const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), bytes, _mm512_load_si512(t.lo + 64));
   const __m512i hi_magnitude = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), bytes, _mm512_load_si512(t.hi + 64));
@@ -112,13 +117,8 @@ inline void bf16x64_lookup(const T* p, const Fp8ByteTables& t, __m512i& first, _
   first = _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.first), hi);
   second = _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.second), hi);
 }
-inline void bf16x64(const fp8_e4m3* p, __m512i& first, __m512i& second) { bf16x64_lookup(p, kE4m3Bytes, first, second); }
-inline void bf16x64(const fp8_e5m2* p, __m512i& first, __m512i& second) { bf16x64_lookup(p, kE5m2Bytes, first, second); }
-#else
-template <typename T>
-inline void bf16x64(const T* p, __m512i& first, __m512i& second) {
-  first = bf16x32(p), second = bf16x32(p + 32);
-}
+inline void bf16x64(const fp8_e4m3* p, __m512i& first, __m512i& second) { bf16x64_lookup(p, first, second); }
+inline void bf16x64(const fp8_e5m2* p, __m512i& first, __m512i& second) { bf16x64_lookup(p, first, second); }
 #endif
 #endif
 

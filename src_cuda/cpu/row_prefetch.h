@@ -12,7 +12,8 @@ namespace {
 // Into L2 (prefetcht2), not L1: an L1 prefetch holds one of the core's few L1 miss buffers until
 // its line arrives from memory, so a stream far enough ahead to cover memory latency stalls the
 // kernel's own loads; L2 tracks many more misses, and a line moves from L2 to L1 in a few cycles
-// (bench/RESULTS.md: 8-bit decode 1.3-1.5x faster on one thread from memory, 1.15-1.25x on two).
+// (bench/RESULTS.md: int8 decode from 51-58% of a sum's speed to 72-80% on one thread, 50-76% to
+// 71-82% on two).
 // always_inline, as every helper that only prefetches: GCC counts prefetches as no side effect, so
 // it may drop a call to such a function once it also reads a global (seen: an early return on a
 // global flag removed every page touch of the decode kernel).

@@ -149,7 +149,7 @@ struct Bf16Tile {
   template <int G, typename T>
   static void accumulate_fp8_panel(const uint32_t (*packed)[kMaxPairs], const T* v, int64_t n, int64_t D, float* acc,
                                    int64_t d, RowPrefetch& pf) {
-    const Fp8ByteTables& t = std::is_same_v<T, fp8_e4m3> ? kE4m3Bytes : kE5m2Bytes;
+    const Fp8ByteTables& t = kFp8Bytes<T>;
     const __m512i lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
     const __m512i hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
     const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
