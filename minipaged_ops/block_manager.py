@@ -189,11 +189,13 @@ class KVBlockManager:
         self._register_full_blocks(seq)
         return len(hits) * self.block_size
 
-    def append_token(self, seq_id, token_id: Optional[int] = None) -> int:
+    def append_token(self, seq_id, token_id: Optional[int] = None, *, provisional: bool = False) -> int:
         """Make room for one more token; returns its slot.
 
         May record a copy-on-write (see :meth:`take_copies`). Passing ``token_id`` keeps the
         sequence's blocks cacheable; ``None`` stops prefix caching for the rest of it.
+        ``provisional``: the token may be taken back (a speculative proposal), so a block it fills
+        is not offered to the prefix cache until :meth:`truncate` confirms the tokens kept.
         """
         seq = self._get(seq_id)
         bs = self.block_size
@@ -206,20 +208,27 @@ class KVBlockManager:
             block = seq.blocks[-1]
             if self._ref[block] > 1:  # shared: never write where another sequence reads
                 block = self._copy_on_write(seq, seq_id)
+            elif self._prefix_cache.is_registered(block):
+                # a full block this sequence was cut back into (truncate) while another held it;
+                # that one has left, and the slots about to be rewritten must not stay findable
+                self._prefix_cache.unregister(block)
         seq.length += 1
         if seq.tokens is not None:
             if token_id is None:
                 seq.tokens = None  # later blocks cannot be keyed by content
             else:
                 seq.tokens.append(int(token_id))
-                if offset == bs - 1:
+                if offset == bs - 1 and not provisional:
                     self._register_full_blocks(seq)
         return block * bs + offset
 
-    def append_tokens(self, seq_id, token_ids=None, num_tokens: Optional[int] = None) -> list[int]:
+    def append_tokens(self, seq_id, token_ids=None, num_tokens: Optional[int] = None, *,
+                      provisional: bool = False) -> list[int]:
         """Append several tokens (e.g. a prompt continuation); returns their slots.
 
         All-or-nothing: raises OutOfBlocksError before changing anything if the pool is short.
+        ``provisional``: as for :meth:`append_token` (speculative proposals, confirmed by
+        :meth:`truncate`).
         """
         seq = self._get(seq_id)
         tokens, n = normalize_tokens(token_ids, num_tokens)
@@ -230,7 +239,40 @@ class KVBlockManager:
         self._check_free(needed, f"append {n} tokens to sequence {seq_id!r}")
         if tokens is None:
             return [self.append_token(seq_id) for _ in range(n)]
-        return [self.append_token(seq_id, t) for t in tokens]
+        return [self.append_token(seq_id, t, provisional=provisional) for t in tokens]
+
+    def truncate(self, seq_id, length: int) -> None:
+        """Keep the first ``length`` tokens of a sequence (speculative tokens rejected, a cache
+        cropped); blocks past the new end go back to the pool, last first.
+
+        No block holding a dropped token stays findable in the prefix cache unless another
+        sequence still holds it (then those tokens are that sequence's own): a kept partial block
+        is written again from ``length`` on, and a dropped one held rejected tokens. Full blocks
+        up to ``length`` that provisional appends left unpublished are published now, so
+        ``truncate(seq_id, sequence_length(seq_id))`` confirms every provisional token."""
+        seq = self._get(seq_id)
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= seq.length:
+            raise ValueError(f"length must be an int in [0, {seq.length}] for sequence {seq_id!r}, got {length!r}")
+        bs = self.block_size
+        full = length // bs
+        for b in seq.blocks[full:seq.num_hashed]:
+            if self._ref[b] == 1 and self._prefix_cache.is_registered(b):
+                self._prefix_cache.unregister(b)
+        if seq.tokens is not None:
+            del seq.tokens[length:]
+        if seq.num_hashed > full:
+            seq.num_hashed = full
+            seq.chain = None if seq.tokens is None else self._prefix_cache.chain_after(seq.tokens, seq.blocks, full)
+        keep = -(-length // bs)
+        dropped = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        for b in reversed(dropped):  # deeper blocks evicted first, as in release_sequence
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._pool.put(b)
+        self._block_tables.clear_from(seq.row, keep, keep + len(dropped))
+        seq.length = length
+        self._register_full_blocks(seq)
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (reference counted); nothing is copied."""

@@ -40,6 +40,10 @@ class BlockTables:
         self._block_tables[row, :num_blocks] = 0
         self._free_rows.append(row)
 
+    def clear_from(self, row: int, start: int, end: int) -> None:
+        """Zero entries ``start .. end-1`` of a row (its sequence was cut to ``start`` blocks)."""
+        self._block_tables[row, start:end] = 0
+
     def set_block(self, row: int, index: int, block: int) -> None:
         if index >= self._block_tables.shape[1]:
             width = self._block_tables.shape[1]

@@ -109,6 +109,20 @@ class PrefixCache:
             self._index.setdefault(key, []).append(b)
         return key, (b, self._meta[b].gen)
 
+    def chain_after(self, tokens: list, blocks: list[int], n: int) -> Optional[tuple]:
+        """The chain a sequence's block ``n`` links to, from its first ``n`` full ``blocks`` and
+        ``tokens`` (a sequence cut back past blocks it had offered). Walks as :meth:`register`
+        answered: the registered block holding each block's tokens, else the sequence's own."""
+        bs = self.block_size
+        key, ident = None, None
+        for i in range(n):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            key = _chain_hash(key, chunk)
+            b = self.find(key, chunk, ident)
+            b = blocks[i] if b is None else b
+            ident = (b, self._meta[b].gen)
+        return None if n == 0 else (key, ident)
+
     def unregister(self, block: int) -> None:
         """Make a registered block unfindable (evicted, or holding tokens that were never written)."""
         meta = self._meta[block]

@@ -140,6 +140,39 @@ class Harness:
         del self.hist[sid], self.vals[sid], self.known[sid]
         self._apply_copies()
 
+    def truncate(self, i, cut):
+        """Cut a sequence back by ``cut`` tokens (a cropped cache)."""
+        sid = self._pick(i)
+        if sid is None:
+            return
+        keep = max(0, len(self.hist[sid]) - cut)
+        self.m.truncate(sid, keep)
+        del self.hist[sid][keep:], self.vals[sid][keep:]
+        self._apply_copies()
+
+    def speculate(self, i, proposals, accepted):
+        """A verify step: provisional proposals written, then all but ``accepted`` taken back.
+        Until then, none of the blocks they fill may be found by a prompt."""
+        sid = self._pick(i)
+        if sid is None:
+            return
+        start = len(self.hist[sid])
+        probe = self.hist[sid] + list(proposals) + [0] if self.known[sid] else None
+        found_before = self.m.cached_prefix_length(probe) if probe else 0
+        cached_before = self.m.usage()["blocks_cached"]
+        slots = self.m.append_tokens(sid, proposals, provisional=True)
+        # the append may evict cached blocks for its own, but registers none
+        assert self.m.usage()["blocks_cached"] <= cached_before, "a provisional token was published"
+        assert not probe or self.m.cached_prefix_length(probe) <= found_before, "a provisional block was found"
+        self._extend_vals(sid, proposals)
+        self._apply_copies()
+        for k, slot in enumerate(slots):
+            self._write(sid, start + k, slot)
+        keep = start + min(accepted, len(proposals))
+        self.m.truncate(sid, keep)
+        del self.hist[sid][keep:], self.vals[sid][keep:]
+        self.stats["rejected"] += len(proposals) - (keep - start)
+
     def batch_create(self, prompts):
         """Batch accounting: ``blocks_needed_to_allocate`` bounds what creating the prompts in
         order takes (exactly for one prompt), and ``can_allocate`` promises only what succeeds."""
@@ -239,6 +272,8 @@ _op = st.one_of(
         min_size=1, max_size=4)),
     st.tuples(st.just("batch_append"), st.lists(_seq, min_size=1, max_size=6),
               st.lists(st.integers(0, 20), min_size=6, max_size=6)),
+    st.tuples(st.just("truncate"), _seq, st.integers(0, 20)),
+    st.tuples(st.just("speculate"), _seq, st.lists(st.integers(0, ALPHABET - 1), max_size=9), st.integers(0, 9)),
 )
 
 
@@ -271,8 +306,12 @@ def _fuzz_op(rng: random.Random):
         return ("extend", rng.randrange(1000), [tok() for _ in range(rng.randrange(21))])
     if r < 0.80:
         return ("fork", rng.randrange(1000))
-    if r < 0.95:
+    if r < 0.90:
         return ("release", rng.randrange(1000))
+    if r < 0.93:
+        return ("speculate", rng.randrange(1000), [tok() for _ in range(rng.randrange(9))], rng.randrange(9))
+    if r < 0.95:
+        return ("truncate", rng.randrange(1000), rng.randrange(12))
     if r < 0.975:
         return ("batch_create", [(rng.randrange(3), rng.randrange(41), [tok() for _ in range(rng.randrange(4))])
                                  for _ in range(rng.randrange(1, 4))])
@@ -289,7 +328,7 @@ def test_seeded_fuzz_10k_operations(block_size, num_blocks, hash_fn):
         for _ in range(10_000):
             h.step(_fuzz_op(rng))
     # The run must actually exercise the interesting paths, or it proves nothing.
-    assert h.stats["hits"] > 0 and h.stats["copies"] > 0 and h.stats["oob"] > 0, h.stats
+    assert h.stats["hits"] > 0 and h.stats["copies"] > 0 and h.stats["oob"] > 0 and h.stats["rejected"] > 0, h.stats
 
 
 # ---------------------------------------------------------------- unit tests: acceptance cases
