@@ -212,7 +212,21 @@ class PagedKVCache(_compat.Cache, HookedCache):
         self._regather([i for i in range(len(self._batch.rows)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PagedKVCache cannot be cropped (assisted decoding is not supported)")
+        """Drop the last ``-tokens_to_remove`` columns of every row: assisted generation (prompt
+        lookup, an assistant model) takes back the candidates the model rejected. Their blocks go
+        back to the pool and none of them stays findable by prefix (the block manager's
+        ``truncate``). A positive argument is the length to keep (the older call's meaning)."""
+        if self._in_step:
+            raise RuntimeError("PagedKVCache: cannot crop during a forward")
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"PagedKVCache.crop: tokens_to_remove must be an int, got {tokens_to_remove!r}")
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else self._columns - tokens_to_remove
+        if remove <= 0:
+            return
+        if remove > self._columns:
+            raise ValueError(f"PagedKVCache.crop: cannot remove {remove} of the cache's {self._columns} columns")
+        self._batch.crop(self._columns, remove)
+        self._columns -= remove
 
     def __repr__(self) -> str:
         return (
@@ -251,7 +265,7 @@ class PagedKVCache(_compat.Cache, HookedCache):
                 if not rows:
                     self._batch.start(batch, q, tokens, new_real, device)
                 else:
-                    self._batch.extend(q, tokens, new_real, self.pool, device)
+                    self._batch.extend(past, q, tokens, new_real, self.pool, device)
         except OutOfBlocksError as err:
             # the batch cannot go on: free it, so the cache is ready for the next generate
             self.reset()

@@ -6,7 +6,9 @@ cache hands the forward's new columns here: the first forward creates the rows' 
 the engine's planner (``planner.plan_step``), one chunk per row. A decode step's tensors are
 copied into persistent buffers of fixed shape, so a compiled decode step sees the same tensors
 every step and is not recompiled. A batch reorder (beam search) forks the sequences of rows
-that continue more than once and releases those no row continues, instead of copying any K/V.
+that continue more than once and releases those no row continues, instead of copying any K/V. A
+crop (assisted generation's rollback) cuts each row's sequence back by the real tokens among the
+columns it removes, so each row's padding columns are remembered.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class CacheBatch:
     def __init__(self, block_manager: KVBlockManager, max_blocks_per_seq: int):
         self.block_manager = block_manager
         self.rows: list[int] = []
+        self._pad_columns: list[list[int]] = []  # per row: its padding columns, ascending
         self.step: StepMetadata | None = None
         self.decoding = False
         self._next_seq_id = 0
@@ -52,6 +55,7 @@ class CacheBatch:
                 bm.release_sequence(sid)
             bm.take_copies()
         self.rows = []
+        self._pad_columns = []
         self.decoding = False
         self.step = None
 
@@ -93,6 +97,7 @@ class CacheBatch:
                 free=free_before,
             ) from None
         self.rows = rows
+        self._pad_columns = [[j for j in range(q) if not r[j]] for r in new_real]
         self._set_batch_buffers(batch, device)
         self._refresh_tables()
         self._plan_prefill(q, tokens, new_real, cached_counts, device)
@@ -119,10 +124,13 @@ class CacheBatch:
         )
         self.decoding = True
 
-    def extend(self, q, tokens, new_real, pool, device) -> None:
-        """A later forward of several columns (a continued conversation): append them to every row."""
+    def extend(self, past, q, tokens, new_real, pool, device) -> None:
+        """A later forward of several columns after ``past`` ones (a continued conversation, or
+        assisted generation's candidates): append them to every row."""
         bm = self.block_manager
         self._check_room([sum(r) for r in new_real])
+        for pads, r in zip(self._pad_columns, new_real):
+            pads.extend(past + j for j in range(q) if not r[j])
         for b, sid in enumerate(self.rows):
             cols = [j for j in range(q) if new_real[b][j]]
             toks = [tokens[b][j] for j in cols] if tokens is not None else None
@@ -153,9 +161,19 @@ class CacheBatch:
             if j not in used:
                 bm.release_sequence(sid)
         self.rows = new_rows
+        self._pad_columns = [list(self._pad_columns[src]) for src in src_rows]
         device = self._block_tables.device
         self._set_batch_buffers(len(new_rows), device)
         self._refresh_tables()
+
+    def crop(self, columns: int, remove: int) -> None:
+        """Drop the last ``remove`` of ``columns`` columns: each row keeps the real tokens before them."""
+        bm, first = self.block_manager, columns - remove
+        for sid, pads in zip(self.rows, self._pad_columns):
+            kept_pads = sum(1 for c in pads if c < first)
+            bm.truncate(sid, bm.sequence_length(sid) - (remove - (len(pads) - kept_pads)))
+            del pads[kept_pads:]
+        self.decoding = False
 
     # ------------------------------------------------------------------ helpers
 

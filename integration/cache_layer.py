@@ -24,7 +24,7 @@ class PagedLayer(_compat.CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # PagedKVCache.crop rolls every layer back at once
 
     def __init__(self, owner: "PagedKVCache", layer_idx: int):
         super().__init__()
