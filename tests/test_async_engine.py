@@ -297,12 +297,13 @@ def test_a_piece_that_cannot_be_made_wakes_every_waiter(planted, monkeypatch):
         engine.shutdown()
 
 
-def test_a_command_that_raises_a_base_exception_fails_the_commands_queued_after_it():
-    """The engine thread runs the commands queued during a step one by one; one that raises a
-    BaseException (an abort here) stops the thread, and the commands after it in the same batch
-    fail with EngineDeadError instead of leaving their callers waiting for good."""
+def test_requests_and_aborts_reach_the_engine_without_waiting_for_its_thread():
+    """One queue, the engine's front door: add_request and abort hand their command to it from the
+    caller's thread, so they return while the engine thread is held after a step (a second queue
+    in front of that thread would keep them waiting), and take effect at the next step."""
     llm = make_engine()
     blocked, release = threading.Event(), threading.Event()
+    finishes = Finishes()
 
     class Gate:  # a stat logger: holds the engine thread after a step, once armed
         armed = False
@@ -313,29 +314,27 @@ def test_a_command_that_raises_a_base_exception_fails_the_commands_queued_after_
                 blocked.set()
                 release.wait(LIMIT)
 
-    def abort_request(request_id):
-        raise KeyboardInterrupt("planted in an abort")
-
-    llm.abort_request = abort_request
     gate = Gate()
-    engine = AsyncLLMEngine(llm, stat_loggers=[gate])
+    engine = AsyncLLMEngine(llm, stat_loggers=[finishes, gate])
 
     async def main():
-        stream = await engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
-        await stream.__anext__()  # running
+        first = await engine.add_request("first", PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+        await first.__anext__()  # running
         gate.armed = True
         assert await asyncio.to_thread(blocked.wait, 10)
-        stream.close()  # queues the abort
-        stats = asyncio.ensure_future(engine.stats())  # queued after it, in the same batch
-        await asyncio.sleep(0.05)
+        second = await asyncio.wait_for(engine.add_request("second", PROMPTS[0], SamplingParams(max_tokens=3)), 5)
+        assert llm.stats()["waiting"] == 1  # at the door, for the next step
+        await asyncio.wait_for(engine.abort("first"), 5)
         release.set()
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(stats, 10)  # main: lost with the rest of the batch, waited for good
+        pieces = [p async for p in second]
+        tail = [p async for p in first]
+        return pieces, tail
 
     try:
-        run(main())
-        with pytest.raises(EngineDeadError, match="planted in an abort"):
-            engine.check_health()
+        pieces, tail = run(main())
+        assert sum(len(c.token_ids) for p in pieces for c in p.outputs) == 3
+        assert tail[-1].finished and [c.finish_reason for c in tail[-1].outputs] == ["abort"]
+        engine.check_health()
     finally:
         release.set()
         engine.shutdown()

@@ -4,26 +4,25 @@
     async for piece in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
         print(piece.outputs[0].text, end="")
 
-One thread owns the engine: every call into it (adding, aborting, statistics) is a command that
-the thread runs between two steps, so the engine is never entered from two threads. The thread
-sleeps on a condition while there is nothing to do. Each step's outputs are turned into pieces —
-what is new since the last piece of that request — and handed to the waiting coroutine's event
-loop. Leaving the ``async for`` early (a client gone, a task cancelled) aborts the request, which
-frees its blocks. If the thread stops (it died, or :meth:`shutdown`), every waiter raises
-:class:`EngineDeadError`, its request is aborted, and :meth:`check_health` raises: nothing hangs.
+One thread steps the engine; callers on the event loop hand their requests and aborts straight to
+the engine's front door (thread-safe: they take effect at the next step boundary), which is the one
+queue a request passes through. The thread sleeps on a condition while no request is live. Each
+step's outputs are turned into pieces — what is new since the last piece of that request — and
+handed to the waiting coroutine's event loop. Leaving the ``async for`` early (a client gone, a
+task cancelled) aborts the request, which frees its blocks. If the thread stops (it died, or
+:meth:`shutdown`), every waiter raises :class:`EngineDeadError`, its request is aborted, and
+:meth:`check_health` raises: nothing hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
-from collections import deque
 from typing import AsyncIterator, Optional
 
-from .streams import Command, CompletionDelta, EngineDeadError, RequestDelta, RequestStream
+from .streams import CompletionDelta, EngineDeadError, RequestDelta, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +46,10 @@ class AsyncLLMEngine:
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.stat_loggers = list(stat_loggers)
         self.max_step_failures = max_step_failures
-        self._wake = threading.Condition()
-        self._commands: deque[Command] = deque()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._wake = threading.Condition()  # guards the three below
+        self._streams: dict[str, RequestStream] = {}  # request id -> its consumer, until its last piece is posted
         self._stopping = False
-        self._dead = False  # set once, under _wake, when the thread stops taking commands
+        self._dead = False  # set once when the thread stops: no stream is registered after that
         self.error: Optional[BaseException] = None  # why the thread stopped
         self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
         self._thread.start()
@@ -86,17 +84,26 @@ class AsyncLLMEngine:
                 raise ValueError("add_request: a text prompt needs an engine with a tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         prompt = list(prompt)
-        stream = RequestStream(request_id, on_close=lambda: self._post(Command(lambda: self._abort(request_id, stream))))
-
-        def add():
-            self.engine.add_request(request_id, prompt, params, priority=priority)
-            self._streams[request_id] = stream
-
+        self.check_health()
+        stream = RequestStream(request_id, on_close=lambda: self._abort(request_id, stream))
+        with self._wake:
+            if self._dead:
+                raise self._dead_error()
+            if request_id in self._streams:  # (its last piece is on its way: the door may have freed the id)
+                raise ValueError(f"add_request: request_id {request_id!r} is already in use by a request whose "
+                                 "final output has not been returned yet")
+            self._streams[request_id] = stream  # before the door: the next step may already report it
         try:
-            await self._call(add)
-        except asyncio.CancelledError:  # it may have been added all the same: nobody will read it
-            stream.close()
+            self.engine.add_request(request_id, prompt, params, priority=priority)
+        except BaseException:
+            with self._wake:
+                self._streams.pop(request_id, None)
             raise
+        with self._wake:
+            dead = self._dead
+            self._wake.notify()
+        if dead:  # the thread stopped meanwhile and failed the stream: the request must not wait to be stepped
+            self.engine.abort_request(request_id)
         return stream
 
     async def generate(self, prompt, params, request_id: str, *, priority: int = 0) -> AsyncIterator[RequestDelta]:
@@ -112,11 +119,16 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed); its iterator ends with finish_reason "abort"."""
-        await self._call(lambda: self._abort(request_id, self._streams.get(request_id), notify=True))
+        self.check_health()
+        with self._wake:
+            stream = self._streams.get(request_id)
+        self._abort(request_id, stream, notify=True)
 
     async def stats(self, window_s=None) -> dict:
-        """``engine.stats()``, taken in the engine thread between two steps."""
-        return await self._call(lambda: self.engine.stats() if window_s is None else self.engine.stats(window_s=window_s))
+        """``engine.stats()`` (taken between two steps), without blocking the event loop."""
+        self.check_health()
+        return await asyncio.to_thread(lambda: self.engine.stats() if window_s is None
+                                       else self.engine.stats(window_s=window_s))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread after its current step; waiters get EngineDeadError and their requests
@@ -127,22 +139,7 @@ class AsyncLLMEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    # ------------------------------------------------------------------ commands
-
-    def _post(self, command: "Command") -> None:
-        with self._wake:
-            if not self._dead:
-                self._commands.append(command)
-                self._wake.notify()
-                return
-        command.fail(self._dead_error())
-
-    async def _call(self, fn):
-        """Run ``fn`` in the engine thread; its result or exception comes back here."""
-        self.check_health()
-        command = Command(fn, concurrent.futures.Future())
-        self._post(command)
-        return await asyncio.wrap_future(command.future)
+    # ------------------------------------------------------------------ the engine thread
 
     def _dead_error(self) -> EngineDeadError:
         error = EngineDeadError(f"the engine thread has stopped: {self.error!r}")
@@ -150,23 +147,16 @@ class AsyncLLMEngine:
             error.__cause__ = self.error
         return error
 
-    # ------------------------------------------------------------------ the engine thread
-
     def _run(self) -> None:
         failures = pinned_since_success = 0
         try:
             errored = self.engine.stats()["errored"]  # requests the engine has ended with "error"
             while True:
                 with self._wake:
-                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._stopping or self.engine.has_unfinished_requests()):
                         self._wake.wait()
                     if self._stopping:
                         break
-                    batch = len(self._commands)
-                for _ in range(batch):  # each left queued until it runs: if one raises, _fail_everyone fails the rest
-                    self._commands.popleft().run()  # (a deque's popleft and append are atomic)
-                if not self.engine.has_unfinished_requests():
-                    continue
                 try:
                     outputs = self.engine.step()
                 except EngineDeadError:  # the engine itself is dead (its rollback failed): no retry
@@ -200,19 +190,24 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str, stream: Optional[RequestStream], notify: bool = False) -> None:
         """Abort ``request_id`` if ``stream`` is still its consumer (an id can be reused once its
-        request is over, and then belongs to someone else)."""
-        if stream is None or self._streams.get(request_id) is not stream:
-            return
-        if not notify:
-            del self._streams[request_id]  # nobody listens any more
-        self.engine.abort_request(request_id)
+        request is over, and then belongs to someone else). From any thread."""
+        with self._wake:
+            if stream is None or self._streams.get(request_id) is not stream:
+                return
+            if not notify:
+                del self._streams[request_id]  # nobody listens any more
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - an abort is a clean-up, called from finally blocks: nobody to tell
+            logger.exception("aborting request %r failed", request_id)
 
     def _deliver(self, outputs) -> None:
         # one wake-up per event loop and step (call_soon_threadsafe writes to the loop's self-pipe);
         # a stream leaves _streams once its last piece is posted (else _fail_everyone wakes it)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        with self._wake:
+            streams = [(out, self._streams.get(out.request_id)) for out in outputs]
+        for out, stream in streams:
             if stream is None:
                 continue
             try:
@@ -231,25 +226,23 @@ class AsyncLLMEngine:
                 for stream in [stream for stream, _, last in pieces if not last]:
                     self.engine.abort_request(stream.request_id)
                 pieces = [(stream, None, True) for stream, _, _ in pieces]
-            for stream in [stream for stream, _, last in pieces if last]:
-                self._streams.pop(stream.request_id, None)
+            with self._wake:
+                for stream in [stream for stream, _, last in pieces if last]:
+                    if self._streams.get(stream.request_id) is stream:
+                        del self._streams[stream.request_id]
 
     def _fail_everyone(self) -> None:
         with self._wake:
             self._dead = True
-            commands = list(self._commands)
-            self._commands.clear()
+            streams, self._streams = self._streams, {}
         error = self._dead_error()
-        for command in commands:
-            command.fail(error)
-        for stream in list(self._streams.values()):
+        for stream in streams.values():
             try:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
             except RuntimeError:  # that loop is closed: nobody waits there
                 pass
-        for request_id in list(self._streams):  # nobody reads them; the LLMEngine's next step (if any) ends them
+        for request_id in streams:  # nobody reads them; the LLMEngine's next step (if any) ends them
             self.engine.abort_request(request_id)
-        self._streams.clear()
 
 
 def _put_all(pieces) -> None:

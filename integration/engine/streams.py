@@ -1,20 +1,15 @@
 """What :class:`AsyncLLMEngine` hands its callers: per request a :class:`RequestStream` of
-:class:`RequestDelta` pieces, each holding what its completions gained since the last piece; and
-what callers hand its thread: a :class:`Command`."""
+:class:`RequestDelta` pieces, each holding what its completions gained since the last piece."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .front_door import EngineDeadError  # (defined there: LLMEngine raises it too)
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["Command", "CompletionDelta", "EngineDeadError", "RequestDelta", "RequestStream"]
+__all__ = ["CompletionDelta", "EngineDeadError", "RequestDelta", "RequestStream"]
 
 
 @dataclass
@@ -100,32 +95,3 @@ class RequestStream:
         if not deltas and not out.finished:
             return None
         return RequestDelta(out.request_id, out.prompt_token_ids, deltas, out.finished, out.metrics)
-
-
-class Command:
-    """A call to run in the engine thread; with a future, its outcome goes back to the caller."""
-
-    def __init__(self, fn: Callable[[], object], future: Optional[concurrent.futures.Future] = None):
-        self.fn = fn
-        self.future = future
-
-    def run(self) -> None:
-        if self.future is None:
-            try:
-                self.fn()
-            except Exception:  # an abort of an id already gone, say: nobody to tell
-                logger.exception("engine command failed")
-            return
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            self.future.set_result(self.fn())
-        except BaseException as e:  # noqa: BLE001 (it is the caller's to handle)
-            self.future.set_exception(e)
-
-    def fail(self, error: BaseException) -> None:
-        if self.future is not None and not self.future.done():
-            try:
-                self.future.set_exception(error)
-            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                pass

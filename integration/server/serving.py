@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import time
 import uuid
 from typing import AsyncIterator, Optional
 
@@ -24,7 +25,7 @@ class Serving:
     """What the endpoints share: the engine, its tokenizer and the model's limits."""
 
     def __init__(self, engine, served_model_name: str, *, max_model_len: int, vocab_size: int,
-                 default_sampling: Optional[dict] = None):
+                 default_sampling: Optional[dict] = None, model_path: Optional[str] = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
@@ -34,6 +35,14 @@ class Serving:
         self.default_sampling = dict(default_sampling or {})
         self._params_fields = {f.name for f in dataclasses.fields(SamplingParams)}
         self._token_text: dict[int, str] = {}
+        self.model_path = model_path
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        """The served model as /v1/models lists it."""
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "minipaged",
+                "root": self.model_path or self.served_model_name, "parent": None,
+                "max_model_len": self.max_model_len}
 
     # ------------------------------------------------------------------ checks and prompts
 

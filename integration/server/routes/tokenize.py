@@ -1,0 +1,34 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ..protocol import DetokenizeRequest, RequestError, TokenizeRequest, message_dicts
+from ..respond import serving_of
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw: Request):
+    serving = serving_of(raw)
+    serving.check_model(request.model)
+    if (request.prompt is None) == (request.messages is None):
+        raise RequestError("give either prompt or messages", "prompt")
+    if request.messages is not None:
+        tokens = serving.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt)
+    else:
+        tokens = serving.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+    strs = serving.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw: Request):
+    serving = serving_of(raw)
+    serving.check_model(request.model)
+    bad = [t for t in request.tokens if not 0 <= t < serving.vocab_size]
+    if bad:
+        raise RequestError(f"tokens has ids outside [0, {serving.vocab_size}): {bad[:5]}", "tokens")
+    return {"prompt": serving.tokenizer.decode(request.tokens)}
