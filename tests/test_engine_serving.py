@@ -431,8 +431,11 @@ def test_construction_and_request_errors():
     engine = LLMEngine(model, num_blocks=8)
     with pytest.raises(ValueError, match="priority"):
         engine.add_request("a", [3, 4], SamplingParams(), priority=1.5)
+    with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds the engine's max_logprobs=20"):
+        engine.add_request("a", [3, 4], SamplingParams(prompt_logprobs=21))  # the engine's cap (max_logprobs)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
+    assert not engine.has_unfinished_requests()
 
 
 def test_unseeded_requests_each_draw_from_their_own_generator_of_the_engine_seed():

@@ -44,7 +44,8 @@ def random_params(rng: random.Random, greedy: bool) -> SamplingParams:
         min_p=maybe(rng.uniform(0.01, 0.3), 0.0), repetition_penalty=maybe(rng.uniform(0.5, 2.0), 1.0),
         presence_penalty=maybe(rng.uniform(-2, 2), 0.0), frequency_penalty=maybe(rng.uniform(-2, 2), 0.0),
         min_tokens=maybe(rng.randrange(0, 12), 0), max_tokens=64,
-        stop_token_ids=maybe([rng.randrange(100)], []), seed=rng.randrange(1 << 40))
+        stop_token_ids=maybe([rng.randrange(100)], []), seed=rng.randrange(1 << 40),
+        logit_bias=maybe({rng.randrange(100): rng.uniform(-100, 100) for _ in range(rng.randrange(1, 4))}, None))
 
 
 def random_rows(rng: random.Random, count: int, vocab: int) -> list[Row]:
@@ -64,6 +65,8 @@ def expected_logits(logits: torch.Tensor, row: Row) -> torch.Tensor:
     scores = logits[None].double()
     banned = sorted({*row.eos_token_ids, *p.stop_token_ids})
     scores = lp.MinNewTokensLengthLogitsProcessor(len(row.prompt_token_ids), p.min_tokens, banned)(ids, scores)
+    for token, bias in p.logit_bias:  # added before the penalties
+        scores[0, token] += bias
     if p.repetition_penalty != 1:
         scores = lp.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
     for token, count in Counter(row.output_ids).items():
@@ -284,8 +287,9 @@ def test_logits_of_the_wrong_shape():
     (dict(frequency_penalty=math.nan), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(repetition_penalty=math.inf), "repetition_penalty"),
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=4, min_tokens=5), "min_tokens"),
-    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(logprobs=-1), "logprobs"),
-    (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(max_tokens=0), "max_tokens"), (dict(logit_bias={3: 101}), "logit_bias"), (dict(logprobs=-1), "logprobs"),
+    (dict(logit_bias={-1: 1}), "logit_bias"), (dict(logit_bias={3: True}), "logit_bias"),
+    (dict(logit_bias=[(1, 2, 3)]), "logit_bias"), (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(stop=""), "stop"), (dict(stop=["a", ""]), "stop"), (dict(stop=[3]), "stop"), (dict(stop=5), "stop"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(seed=1.5), "seed"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),

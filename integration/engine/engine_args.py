@@ -11,7 +11,7 @@ from ..kv_pool import blocks_for_memory
 from .front_door import is_int
 from .scheduler import POLICIES, PREEMPTION_MODES
 
-__all__ = ["check_engine_args", "default_block_size", "eos_token_ids", "pool_blocks", "text_config"]
+__all__ = ["check_engine_args", "default_block_size", "eos_token_ids", "model_len", "pool_blocks", "text_config"]
 
 # Token slots per block when the caller names none, by device. On CUDA a block of 16 costs the
 # kernels nothing. On the CPU each block is a scattered run the hardware prefetcher cannot follow
@@ -22,7 +22,7 @@ DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 64}
 
 
 def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens, preemption_mode,
-                      scheduling_policy, seed) -> None:
+                      scheduling_policy, seed, max_logprobs=20, max_model_len=None) -> None:
     if not _compat.is_pretrained_model(model):
         raise ValueError(f"LLMEngine: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -40,6 +40,23 @@ def check_engine_args(model, *, block_size, max_num_seqs, max_num_batched_tokens
         raise ValueError(f"LLMEngine: scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}")
     if not is_int(seed):
         raise ValueError(f"LLMEngine: seed must be an int, got {seed!r}")
+    if not is_int(max_logprobs) or max_logprobs < -1:
+        raise ValueError(f"LLMEngine: max_logprobs must be an int >= 0, or -1 for the whole vocabulary, "
+                         f"got {max_logprobs!r}")
+    if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
+        raise ValueError(f"LLMEngine: max_model_len must be an int >= 2 (a prompt token and a generated one) or "
+                         f"None, got {max_model_len!r}")
+
+
+def model_len(max_model_len, *, max_position_embeddings: int, pool_tokens: int) -> int:
+    """The longest sequence the engine runs: ``max_model_len`` when given (ValueError if the model's
+    positions or the pool cannot hold it), else the shorter of the two."""
+    if max_model_len is None:
+        return min(max_position_embeddings, pool_tokens)
+    for what, most in (("max_position_embeddings", max_position_embeddings), ("the KV pool's tokens", pool_tokens)):
+        if max_model_len > most:
+            raise ValueError(f"LLMEngine: max_model_len={max_model_len} exceeds {what} ({most})")
+    return max_model_len
 
 
 def default_block_size(device) -> int:

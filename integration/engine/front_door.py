@@ -62,6 +62,13 @@ def build_request(engine, request_id, prompt_token_ids, params, priority) -> Req
             f"of {engine.block_size} tokens), leaving room for one generated token")
     if params.n > engine.scheduler.max_num_seqs:
         raise ValueError(f"add_request: n={params.n} exceeds max_num_seqs={engine.scheduler.max_num_seqs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > engine.max_logprobs:
+            raise ValueError(f"add_request: {name}={asked} exceeds the engine's max_logprobs={engine.max_logprobs}")
+    outside = [t for t, _ in params.logit_bias if t >= vocab]
+    if outside:
+        raise ValueError(f"add_request: logit_bias of {request_id!r} has token ids outside [0, {vocab}): {outside[:5]}")
     if params.stop and engine.tokenizer is None:
         raise ValueError("add_request: SamplingParams.stop needs the engine's tokenizer: LLMEngine(..., tokenizer=...)")
     return Request(request_id, prompt, params, arrival=0, priority=priority, seed=0,

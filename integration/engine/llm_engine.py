@@ -29,13 +29,13 @@ from minipaged_ops.block_manager import KVBlockManager
 from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, check_full_attention, kv_geometry
-from .engine_args import check_engine_args, default_block_size, eos_token_ids, pool_blocks, text_config
+from .engine_args import check_engine_args, default_block_size, eos_token_ids, model_len, pool_blocks, text_config
 from .engine_parts import EngineParts
 from .front_door import EngineDeadError, FrontDoor, build_request
 from .outputs import RequestOutput
 from .request_table import RequestTable
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import Scheduler
 from .stats import StatsLog
 from .step_runner import MAX_FAILURES, StepRunner
@@ -68,6 +68,10 @@ class LLMEngine(EngineParts):
             and kv head), "fp8_e4m3" or "fp8_e5m2" (a scale per layer); see minipaged_ops.quantized.
         calculate_kv_scales: fp8: set each layer's scales from the first batch's absolute maximum
             (else 1.0).
+        max_logprobs: the most log-probabilities a request may ask for per token (``logprobs``,
+            ``prompt_logprobs``); -1: the whole vocabulary. vLLM's default, 20.
+        max_model_len: the longest sequence (prompt + generated); None: the model's positions or
+            the pool's tokens, whichever is fewer. A pool sized from memory is sized for it.
     """
 
     kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
@@ -76,10 +80,12 @@ class LLMEngine(EngineParts):
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", seed: int = 0, tokenizer=None, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False):
+                 calculate_kv_scales: bool = False, max_logprobs: int = MAX_LOGPROBS,
+                 max_model_len: Optional[int] = None):
         check_engine_args(model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode,
-                          scheduling_policy=scheduling_policy, seed=seed)
+                          scheduling_policy=scheduling_policy, seed=seed, max_logprobs=max_logprobs,
+                          max_model_len=max_model_len)
         config = text_config(model)
         check_full_attention(config, "LLMEngine")
         geometry = kv_geometry(model)
@@ -92,8 +98,11 @@ class LLMEngine(EngineParts):
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
         bytes_per_block = geometry.bytes_per_block(block_size, self.kv_cache_dtype)
         num_blocks = pool_blocks(num_blocks, kv_cache_memory, bytes_per_block=bytes_per_block, device=self.device,
-                                 max_num_seqs=max_num_seqs, max_position_embeddings=self.max_position_embeddings,
-                                 block_size=block_size)
+                                 max_num_seqs=max_num_seqs, block_size=block_size,
+                                 max_position_embeddings=min(self.max_position_embeddings, max_model_len or 1 << 62))
+        max_model_len = model_len(max_model_len, max_position_embeddings=self.max_position_embeddings,
+                                  pool_tokens=num_blocks * block_size)
+        self.max_logprobs = config.vocab_size if max_logprobs == -1 else max_logprobs
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
@@ -108,7 +117,6 @@ class LLMEngine(EngineParts):
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
         self.stats_log = StatsLog()
         self.request_table = RequestTable(self.scheduler, self.stats_log, self._door, tokenizer)
-        max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
                                       self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)
 

@@ -2,7 +2,7 @@
 with per-row parameter tensors.
 
 In vLLM's order: ``min_tokens`` masking (EOS and ``stop_token_ids`` set to -inf while the output is
-shorter than ``min_tokens``), the repetition penalty (over prompt and output), the frequency and
+shorter than ``min_tokens``), ``logit_bias`` (added), the repetition penalty (over prompt and output), the frequency and
 presence penalties (over the output); then, on the rows that draw, temperature, ``min_p`` and
 ``top_k`` (one floor per row) and ``top_p``. The penalties touch only the (row, token) pairs that
 occur, found by one ``torch.unique`` over the batch's token ids.
@@ -19,7 +19,7 @@ import torch
 
 from .seeded_draw import exp_shifted
 
-__all__ = ["apply_penalties", "filter_for_draw", "float_tensor", "index_tensor", "mask_stop_tokens"]
+__all__ = ["add_logit_bias", "apply_penalties", "filter_for_draw", "float_tensor", "index_tensor", "mask_stop_tokens"]
 
 _NUCLEUS_CANDIDATES = 1024  # top_p looks for the nucleus among this many most likely tokens first
 
@@ -51,6 +51,19 @@ def mask_stop_tokens(x: torch.Tensor, rows: list, device: torch.device) -> torch
             0, index_tensor(key_rows, device), bad) > 0
         flat.index_fill_(0, keys_t, -math.inf)
     return invalid
+
+
+def add_logit_bias(x: torch.Tensor, rows: list, device: torch.device) -> None:
+    """Each row's ``logit_bias`` added to its logits: one index_add over the batch's biased pairs."""
+    vocab = x.shape[1]
+    keys, biases = [], []
+    for j, row in enumerate(rows):
+        for token, bias in row.params.logit_bias:
+            if token < vocab:  # (the engine refuses ids outside the vocabulary)
+                keys.append(j * vocab + token)
+                biases.append(bias)
+    if keys:
+        x.view(-1).index_add_(0, index_tensor(keys, device), float_tensor(biases, device))
 
 
 def apply_penalties(x: torch.Tensor, rows: list, device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """The batched sampler: one call per step turns every row's raw logits into its next token.
 
-Per row: the logits are processed (``logits_processing``: ``min_tokens`` masking and the
-penalties on every row that needs them; temperature, ``min_p``, ``top_k`` and ``top_p`` on the rows
+Per row: the logits are processed (``logits_processing``: ``min_tokens`` masking, ``logit_bias``
+and the penalties on every row that needs them; temperature, ``min_p``, ``top_k`` and ``top_p`` on the rows
 that draw), then greedy rows take the argmax and the others draw (``seeded_draw``: a pure function
 of the row's seed and output position). This module assembles the batch: which rows need
 processing or a draw, one device-to-host transfer of the chosen tokens, the check that every row
@@ -17,7 +17,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .logits_processing import apply_penalties, filter_for_draw, index_tensor, mask_stop_tokens
+from .logits_processing import add_logit_bias, apply_penalties, filter_for_draw, index_tensor, mask_stop_tokens
 from .logprobs import InvalidLogitsError, prompt_logprobs, top_logprobs
 from .sampling_params import SamplingParams
 from .seeded_draw import draw_tokens, draw_uniform
@@ -124,9 +124,10 @@ class Sampler:
         return chosen, invalid
 
     def _transform(self, x: torch.Tensor, rows: list) -> torch.Tensor:
-        """min_tokens masking and penalties on every row, temperature and filters on the random
-        ones, in place. Returns which rows had NaN or +inf where min_tokens masked."""
+        """min_tokens masking, logit_bias and penalties on every row, temperature and filters on
+        the random ones, in place. Returns which rows had NaN or +inf where min_tokens masked."""
         masked_invalid = mask_stop_tokens(x, rows, self.device)
+        add_logit_bias(x, rows, self.device)
         apply_penalties(x, rows, self.device)
         random = [j for j, row in enumerate(rows) if not row.params.greedy]
         if len(random) == len(rows):
@@ -153,4 +154,4 @@ class Sampler:
 
 def _needs_processing(row) -> bool:
     params = row.params
-    return not params.greedy or params.has_penalties or len(row.output_ids) < params.min_tokens
+    return not params.greedy or params.has_logits_processing or len(row.output_ids) < params.min_tokens

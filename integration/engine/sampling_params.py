@@ -8,12 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "LOGIT_BIAS_RANGE", "MAX_LOGPROBS", "SamplingParams"]
 
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing by a subnormal overflows.
 GREEDY_TEMPERATURE = 1e-5
-# The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs).
+# The most top log-probabilities a request may ask for per token: the engine's default cap
+# (LLMEngine(max_logprobs=...), vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,13 @@ class SamplingParams:
     tokenizer) end it when the text completes one, cut from the text unless
     ``include_stop_str_in_output``.
 
+    ``logit_bias``: ``{token id: bias in [-100, 100]}`` (or pairs), added to the raw logits before
+    the penalties and the choice (OpenAI's rule); kept as sorted ``(token id, bias)`` pairs.
+
     Log-probabilities are of the raw model distribution (before penalties, temperature and
     filters): ``logprobs=k`` gives per output token the ``k`` most likely tokens and the chosen one;
-    ``prompt_logprobs=k`` per prompt token from the second on its own and the ``k`` most likely.
+    ``prompt_logprobs=k`` per prompt token from the second on its own and the ``k`` most likely
+    (the engine caps ``k``: ``LLMEngine(max_logprobs=...)``).
     """
 
     n: int = 1
@@ -58,6 +64,7 @@ class SamplingParams:
     stop: Union[str, Sequence[str], None] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: object = ()
 
     def __post_init__(self):
         _int("n", self.n, 1, None)
@@ -77,7 +84,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _int(name, getattr(self, name), 0, MAX_LOGPROBS, " or None (vLLM's default cap)")
+                _int(name, getattr(self, name), 0, None, " or None")
         _number("presence_penalty", self.presence_penalty, -2, 2)
         _number("frequency_penalty", self.frequency_penalty, -2, 2)
         _number("repetition_penalty", self.repetition_penalty, 0, None)
@@ -85,11 +92,17 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _number("min_p", self.min_p, 0, 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         """True when the most likely token (after penalties and min_tokens) is always taken."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """True when the logits change before even a greedy choice (penalties or logit_bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -134,3 +147,27 @@ def _stop_strings(stop) -> tuple:
     if not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"SamplingParams: stop must be non-empty strings, got {stop!r}")
     return tuple(dict.fromkeys(stop))  # one copy of each, first-seen order
+
+
+def _logit_bias(bias) -> tuple:
+    """``{token id: bias}`` or (token id, bias) pairs -> sorted pairs; ids non-negative ints, biases
+    finite in [-100, 100]."""
+    if bias is None:
+        return ()
+    try:
+        pairs = list(bias.items()) if hasattr(bias, "items") else [tuple(p) for p in bias]
+    except TypeError:
+        raise ValueError(f"SamplingParams: logit_bias must be a dict {{token id: bias}}, got {bias!r}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"SamplingParams: logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+        token, value = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"SamplingParams: logit_bias must be keyed by token ids (ints >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > LOGIT_BIAS_RANGE:
+            raise ValueError(f"SamplingParams: logit_bias must be biases in [-{LOGIT_BIAS_RANGE:g}, "
+                             f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))

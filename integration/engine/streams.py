@@ -32,6 +32,9 @@ class RequestDelta:
     outputs: list[CompletionDelta]  # the completions with something new
     finished: bool
     metrics: object  # the engine's RequestMetrics (perf_counter times)
+    # SamplingParams(prompt_logprobs=k): the engine's list ([None, {token id: log-prob}, ...]), in
+    # the first piece after the whole prompt is computed (so before or with the first token)
+    prompt_logprobs: Optional[list] = None
 
 
 _CLOSED = object()  # what close() hands a reader waiting on the queue
@@ -52,6 +55,7 @@ class RequestStream:
         # per completion, token ids and characters of text handed over (engine thread only)
         self.sent_tokens: dict[int, int] = {}
         self.sent_text: dict[int, int] = {}
+        self.sent_prompt_logprobs = False
 
     def __aiter__(self):
         return self
@@ -92,6 +96,10 @@ class RequestStream:
                                           c.finish_reason, getattr(c, "stop_reason", None), len(c.token_ids)))
             self.sent_tokens[c.index] = len(c.token_ids)
             self.sent_text[c.index] = len(text)
-        if not deltas and not out.finished:
+        prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        if self.sent_prompt_logprobs or prompt_logprobs is None or len(prompt_logprobs) < len(out.prompt_token_ids):
+            prompt_logprobs = None
+        self.sent_prompt_logprobs |= prompt_logprobs is not None
+        if not deltas and not out.finished and prompt_logprobs is None:
             return None
-        return RequestDelta(out.request_id, out.prompt_token_ids, deltas, out.finished, out.metrics)
+        return RequestDelta(out.request_id, out.prompt_token_ids, deltas, out.finished, out.metrics, prompt_logprobs)

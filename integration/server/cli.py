@@ -10,6 +10,9 @@ import signal
 
 from minipaged_ops.quantized import KV_CACHE_DTYPES
 
+from ..engine.sampling_params import MAX_LOGPROBS
+from .guards import DEFAULT_MAX_BODY_BYTES
+
 
 def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="An OpenAI-compatible server on minipaged's LLMEngine.")
@@ -20,6 +23,13 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /tokenizer_info "
+                        "(/health, /version and /metrics stay open); default: $MINIPAGED_API_KEY, else none")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file, used instead of the tokenizer's")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help=f"larger request bodies are refused with HTTP 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long the requests in flight may go on (new ones are refused at "
                         "once); then each is aborted, a stream ending with an error event saying the server is "
@@ -35,6 +45,12 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt + generated (default: the model's positions or the KV pool's "
+                        "tokens, whichever is fewer)")
+    e.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help=f"the most log-probabilities a request may ask per token (default {MAX_LOGPROBS}; -1: the "
+                        "whole vocabulary)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
                    help="auto: the model's dtype; int8 (a scale per token and kv head) or fp8_e4m3 / fp8_e5m2 (a "
                         "scale per layer): one byte per K/V element, about twice the tokens of a bfloat16 cache")
@@ -51,7 +67,8 @@ def engine_args(args) -> dict:
     kwargs = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
                   preemption_mode=args.preemption_mode, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                  calculate_kv_scales=args.calculate_kv_scales)
+                  calculate_kv_scales=args.calculate_kv_scales, max_model_len=args.max_model_len,
+                  max_logprobs=args.max_logprobs)
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory if args.kv_cache_memory <= 1 else int(args.kv_cache_memory)
     return kwargs
@@ -74,6 +91,18 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
         check_shutdown_timeout(args.shutdown_timeout, "--shutdown-timeout")
     except ValueError as e:
         p.error(str(e))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINIPAGED_API_KEY") or None
+    if api_key == "":
+        p.error("--api-key must not be empty")
+    if args.max_request_body_bytes < 1:
+        p.error(f"--max-request-body-bytes must be a positive number of bytes, got {args.max_request_body_bytes}")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as e:
+            p.error(f"--chat-template: cannot read {args.chat_template}: {e.strerror}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,
@@ -87,7 +116,8 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_on_signal)
     engine = AsyncLLMEngine(llm)
-    app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model))
+    app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model),
+                    api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_body_bytes)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
                             shutdown_timeout=args.shutdown_timeout)
     try:

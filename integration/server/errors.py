@@ -1,15 +1,17 @@
 """Every error the app answers, as an OpenAI error object: refused requests (400 naming the
-field), the engine's failures (500), a shutdown (503)."""
+field), unknown models and routes (404), wrong methods (405), bodies over the limit (413), a
+missing or wrong API key (401), the engine's failures (500), a shutdown (503)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import EngineDeadError
 from .protocol import RequestError, error_body
-from .responses import GenerationError, ServerShuttingDown
+from .events import GenerationError, ServerShuttingDown
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -20,10 +22,21 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # loc holds a character offset, not a field
+            offset = first.get("loc", ("body", None))[-1]
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return JSONResponse(error_body(f"the body is not valid JSON: {reason} at character {offset}"),
+                                status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}", param), status_code=400)
+
+    @app.exception_handler(HTTPException)  # the framework's own: no such route, wrong method, ...
+    async def http_error(request, e: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(message), status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, e: EngineDeadError):

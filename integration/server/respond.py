@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from .responses import Formatter, collect, stream_events
+from .events import collect, stream_events
+from .responses import Formatter, Shape
 from .serving import Serving, close_all
 from .shutdown import InFlight
 
@@ -25,15 +26,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def respond(raw: Request, formatter: Formatter, prompts, params, request):
+def shape_of(request, **fields) -> Shape:
+    """The request's :class:`Shape`: ``fields``, and what every generating request may ask."""
+    options = request.stream_options
+    include_usage = bool(request.stream and options and options.include_usage)
+    return Shape(prompt_logprobs=request.prompt_logprobs, as_token_ids=request.return_tokens_as_token_ids,
+                 include_usage=include_usage, continuous_usage=include_usage and options.continuous_usage_stats,
+                 **fields)
+
+
+async def respond(raw: Request, formatter: Formatter, params, request):
     in_flight: InFlight = raw.app.state.in_flight
     in_flight.check_open()
+    prompts = formatter.prompts
     streams = await serving_of(raw).start(prompts, params, request.priority, formatter.id)  # refusals: HTTP errors
-    prompt_tokens = sum(len(p) for p in prompts)
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        events = stream_events(formatter, in_flight.pieces(streams), len(prompts) * params.n, prompt_tokens,
-                               include_usage)
+        events = stream_events(formatter, in_flight.pieces(streams), len(prompts) * params.n)
         return AbortingStreamingResponse(events, media_type="text/event-stream",
                                          background=BackgroundTask(close_all, streams))
     try:
@@ -42,7 +50,7 @@ async def respond(raw: Request, formatter: Formatter, prompts, params, request):
         close_all(streams)
     if choices is None:  # the client is gone; its requests were aborted
         return Response(status_code=499)
-    return JSONResponse(formatter.response(choices, prompt_tokens))
+    return JSONResponse(formatter.response(choices))
 
 
 async def _wait_disconnect(receive) -> None:

@@ -1,18 +1,15 @@
-"""OpenAI's response shapes for /v1/completions and /v1/chat/completions, whole and streamed as
-server-sent events (``data: {...}`` chunks, then the usage chunk with empty ``choices`` when
-``stream_options.include_usage`` is set, then ``data: [DONE]``)."""
+"""OpenAI's response shapes for /v1/completions and /v1/chat/completions, whole and as the
+chunks of a stream, with what vLLM adds (``stop_reason``, ``prompt_logprobs``, per-chunk usage).
+What a request asked to see beyond its completions is its :class:`Shape`."""
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Optional
 
-from .protocol import error_body
-
-logger = logging.getLogger(__name__)
+from .logprob_shapes import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 @dataclass
@@ -24,86 +21,141 @@ class Choice:
     token_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # (token id, {token id: log-prob}) per token
     finish_reason: Optional[str] = None
+    stop_reason: object = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one request's response shows besides its completions."""
+
+    chat: bool
+    n: int = 1
+    logprobs: Optional[int] = None  # the most likely tokens shown per token; None: no log-probs
+    echo: bool = False  # completions: each choice starts with its prompt (text, and log-probs if asked)
+    drop_output: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field, with this many most likely
+    as_token_ids: bool = False  # return_tokens_as_token_ids: tokens shown as "token_id:<id>"
+    include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a response shows of one piece of one completion."""
+
+    token_ids: list
+    text: str
+    entries: list
+    finish_reason: Optional[str]
+    stop_reason: object
 
 
 class Formatter:
-    """Builds one endpoint's bodies. ``chat``: chat.completion shapes, else text_completion."""
+    """Builds one request's bodies, given its prompts (token ids) and, to echo, their texts."""
 
-    def __init__(self, serving, request_id: str, chat: bool, n: int, logprobs: Optional[int]):
-        self.serving, self.id, self.chat, self.n, self.logprobs = serving, request_id, chat, n, logprobs
+    def __init__(self, serving, request_id: str, shape: Shape, prompts: list, prompt_texts=None):
+        self.serving, self.id, self.shape = serving, request_id, shape
+        self.prompts, self.prompt_texts = prompts, prompt_texts
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> the engine's prompt log-probs
         self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
+        self.object = "chat.completion" if shape.chat else "text_completion"
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.served_model_name}
 
     def index(self, prompt_index: int, completion_index: int) -> int:
-        return prompt_index * self.n + completion_index
+        return prompt_index * self.shape.n + completion_index
 
-    # ------------------------------------------------------------------ logprobs
+    def label(self, token: int) -> str:
+        return f"token_id:{token}" if self.shape.as_token_ids else self.serving.token_text(token)
+
+    # ------------------------------------------------------------------ pieces in
+
+    def take(self, prompt_index: int, piece) -> None:
+        """Keep what a piece brings for the whole prompt (its log-probs, once computed)."""
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = piece.prompt_logprobs
+
+    def output(self, prompt_index: int, c, first: bool) -> Output:
+        """What to show of completion delta ``c`` of prompt ``prompt_index``; ``first``: its
+        choice's first (where an echo puts the prompt)."""
+        entries = [] if c.logprobs is None else list(zip(c.token_ids, c.logprobs))
+        out = Output(list(c.token_ids), c.text, entries, c.finish_reason, c.stop_reason)
+        if self.shape.drop_output:
+            out = Output([], "", [], c.finish_reason and ("length" if c.finish_reason != "abort" else "abort"), None)
+        if first and self.shape.echo:
+            out = Output(out.token_ids, self.prompt_texts[prompt_index] + out.text,
+                         self._prompt_entries(prompt_index) + out.entries, out.finish_reason, out.stop_reason)
+        return out
+
+    def _prompt_entries(self, prompt_index: int) -> list:
+        ids, lps = self.prompts[prompt_index], self.prompt_logprobs.get(prompt_index)
+        return list(zip(ids, lps if lps is not None else [None] * len(ids)))
+
+    # ------------------------------------------------------------------ bodies out
 
     def format_logprobs(self, entries, text_start: int = 0):
-        """``entries``: (token id, {token id: log-prob}) pairs; None when not asked for."""
-        if self.logprobs is None:
+        if self.shape.logprobs is None:
             return None
-        text_of = self.serving.token_text
-        if self.chat:
-            content = []
-            for token, dist in entries:
-                top = sorted(dist.items(), key=lambda kv: -kv[1])[:self.logprobs]
-                content.append({"token": text_of(token), "logprob": dist[token],
-                                "bytes": list(text_of(token).encode()),
-                                "top_logprobs": [{"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
-                                                 for t, lp in top]})
-            return {"content": content}
-        tokens, offsets, offset = [], [], text_start
-        for token, _ in entries:
-            tokens.append(text_of(token))
-            offsets.append(offset)
-            offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [dist[token] for token, dist in entries],
-                "top_logprobs": [{text_of(t): lp for t, lp in dist.items()} for _, dist in entries],
-                "text_offset": offsets}
+        if self.shape.chat:
+            return chat_logprobs(entries, self.label, self.shape.logprobs)
+        return completion_logprobs(entries, self.label, self.shape.logprobs, text_start)
 
-    # ------------------------------------------------------------------ whole responses
+    def _vllm_prompt_logprobs(self, prompt_index: int):
+        if self.shape.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.prompts[prompt_index], self.prompt_logprobs.get(prompt_index), self.label,
+                                    self.shape.prompt_logprobs)
 
-    def response(self, choices: list[Choice], prompt_tokens: int) -> dict:
+    def response(self, choices: list[Choice]) -> dict:
         body = self._head(self.object)
         body["choices"] = []
         for c in sorted(choices, key=lambda c: c.index):
             choice = {"index": c.index}
-            if self.chat:
+            if self.shape.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
             choice["logprobs"] = self.format_logprobs(c.logprobs)
             choice["finish_reason"] = c.finish_reason
+            choice["stop_reason"] = c.stop_reason
+            if not self.shape.chat and self.shape.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c.index // self.shape.n)
             body["choices"].append(choice)
-        body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
+        if self.shape.chat and self.shape.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        body["usage"] = usage(self.prompt_tokens(), sum(len(c.token_ids) for c in choices))
         return body
 
-    # ------------------------------------------------------------------ streamed responses
+    def prompt_tokens(self, prompt_index: Optional[int] = None) -> int:
+        if prompt_index is not None:
+            return len(self.prompts[prompt_index])
+        return sum(len(p) for p in self.prompts)
 
-    def chunk(self, index: int, text: Optional[str], entries, finish_reason, text_start: int,
-              role: bool = False, include_usage: bool = False) -> str:
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+    def chunk(self, index: int, out: Optional[Output], text_start: int = 0, completion_tokens: int = 0) -> str:
+        """A streamed chunk of choice ``index``; ``out`` None: the chat role chunk that opens it."""
+        body = self._head("chat.completion.chunk" if self.shape.chat else "text_completion")
         choice = {"index": index}
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice["delta"] = delta
+        text = None if out is None else out.text
+        if self.shape.chat:
+            role = out is None
+            choice["delta"] = {"role": "assistant", "content": ""} if role else (
+                {} if not text and out.finish_reason else {"content": text})
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = None if role else self.format_logprobs(entries, text_start)
-        choice["finish_reason"] = finish_reason
+        choice["logprobs"] = None if out is None else self.format_logprobs(out.entries, text_start)
+        choice["finish_reason"] = None if out is None else out.finish_reason
+        choice["stop_reason"] = None if out is None else out.stop_reason
         body["choices"] = [choice]
-        if include_usage:
-            body["usage"] = None
+        if self.shape.include_usage:
+            body["usage"] = usage(self.prompt_tokens(index // self.shape.n), completion_tokens) \
+                if self.shape.continuous_usage else None
         return sse(body)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+    def usage_chunk(self, completion_tokens: int) -> str:
+        body = self._head("chat.completion.chunk" if self.shape.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(self.prompt_tokens(), completion_tokens)
         return sse(body)
 
 
@@ -117,71 +169,3 @@ def sse(body: dict) -> str:
 
 
 DONE = "data: [DONE]\n\n"
-
-
-class GenerationError(RuntimeError):
-    """The engine finished a completion with "error" (its failure repeated: see LLMEngine.step)."""
-
-
-class ServerShuttingDown(RuntimeError):
-    """A request refused, or ended before it finished, because the server is shutting down (an
-    OpenAI error of type "service_unavailable"; HTTP 503 when the response has not begun)."""
-
-    kind = "service_unavailable"
-
-
-def _entries(c) -> list:
-    return [] if c.logprobs is None else list(zip(c.token_ids, c.logprobs))
-
-
-async def collect(formatter: Formatter, pieces: AsyncIterator) -> list[Choice]:
-    """Every completion of a non-streamed request, whole."""
-    choices: dict[int, Choice] = {}
-    async for prompt_index, piece in pieces:
-        for c in piece.outputs:
-            choice = choices.setdefault(formatter.index(prompt_index, c.index), Choice(formatter.index(prompt_index, c.index)))
-            choice.text += c.text
-            choice.token_ids += c.token_ids
-            choice.logprobs += _entries(c)
-            choice.finish_reason = c.finish_reason or choice.finish_reason
-            if c.finish_reason == "error":
-                raise GenerationError(f"generation failed for choice {choice.index}")
-    return list(choices.values())
-
-
-async def stream_events(formatter: Formatter, pieces: AsyncIterator, num_choices: int, prompt_tokens: int,
-                        include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of a streamed response from :func:`.serving.merge`'s pieces; a failure mid-stream
-    (the engine's, or this request's alone) becomes an error event before ``[DONE]``."""
-    from ..engine.async_engine import EngineDeadError
-
-    sent_chars = [0] * num_choices  # per choice: text sent so far (for text_offset)
-    completion_tokens = 0
-    if formatter.chat:  # the assistant's role first, as OpenAI streams it
-        for index in range(num_choices):
-            yield formatter.chunk(index, None, None, None, 0, role=True, include_usage=include_usage)
-    try:
-        async for prompt_index, piece in pieces:
-            for c in piece.outputs:
-                index = formatter.index(prompt_index, c.index)
-                if c.finish_reason == "error":
-                    raise GenerationError(f"generation failed for choice {index}")
-                if not c.token_ids and not c.text and c.finish_reason is None:
-                    continue
-                completion_tokens += len(c.token_ids)
-                text = None if formatter.chat and not c.text and c.finish_reason else c.text
-                yield formatter.chunk(index, text, _entries(c), c.finish_reason, sent_chars[index],
-                                      include_usage=include_usage)
-                sent_chars[index] += len(c.text)
-    except Exception as e:  # noqa: BLE001 - the response has begun: an error event, not a cut connection
-        if not isinstance(e, (EngineDeadError, GenerationError, ServerShuttingDown)):  # unforeseen (a piece
-            logger.exception("streamed response %s failed", formatter.id)  # the engine could not make, say)
-        kind = ServerShuttingDown.kind if isinstance(e, ServerShuttingDown) else "internal_server_error"
-        yield sse(error_body(str(e) or type(e).__name__, kind=kind))
-        yield DONE
-        return
-    finally:
-        await pieces.aclose()  # ends (aborts) whatever still runs when the stream is closed early
-    if include_usage:
-        yield formatter.usage_chunk(prompt_tokens, completion_tokens)
-    yield DONE

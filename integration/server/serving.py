@@ -14,18 +14,15 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from ..engine import SamplingParams
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields, message_dicts
-
-# request field -> SamplingParams field, for the fields passed through when set
-_PASSED = ("n", "seed", "presence_penalty", "frequency_penalty", "top_p", "min_p", "repetition_penalty", "min_tokens",
-           "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "temperature")
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, message_dicts
 
 
 class Serving:
     """What the endpoints share: the engine, its tokenizer and the model's limits."""
 
     def __init__(self, engine, served_model_name: str, *, max_model_len: int, vocab_size: int,
-                 default_sampling: Optional[dict] = None, model_path: Optional[str] = None):
+                 default_sampling: Optional[dict] = None, model_path: Optional[str] = None, max_logprobs: int = 20,
+                 chat_template: Optional[str] = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
@@ -33,7 +30,10 @@ class Serving:
         self.vocab_size = vocab_size
         # the model's generation_config sets the defaults of what a request leaves out, as in vLLM
         self.default_sampling = dict(default_sampling or {})
-        self._params_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        self.params_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        self.max_logprobs = max_logprobs  # the engine's cap
+        # --chat-template: replaces the tokenizer's own
+        self.chat_template = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
         self._token_text: dict[int, str] = {}
         self.model_path = model_path
         self.created = int(time.time())
@@ -49,15 +49,17 @@ class Serving:
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.served_model_name:
             raise RequestError(f"The model `{name}` does not exist; this server serves `{self.served_model_name}`.",
-                               "model")
+                               "model", status_code=404, code="model_not_found")
 
-    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+    def completion_prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """The prompts as token ids, and as text (a text prompt as given, token ids decoded: what
+        an echo shows)."""
         prompt = request.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise RequestError("prompt must not be empty", "prompt")
-        prompts = []
+        prompts, texts = [], []
         for i, p in enumerate(prompt):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             where = "prompt" if len(prompt) == 1 else f"prompt.{i}"
@@ -68,7 +70,8 @@ class Serving:
                 raise RequestError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}", "prompt")
             self._check_length(len(ids), "prompt")
             prompts.append(ids)
-        return prompts
+            texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
+        return prompts, texts
 
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         if not request.messages:
@@ -79,11 +82,13 @@ class Serving:
         return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, kwargs=None) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        if self.chat_template is None:
+            raise RequestError("this model's tokenizer has no chat template (give one with --chat-template); use "
+                               "/v1/completions", "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False, **(kwargs or {}))
+                                                     tokenize=True, return_dict=False,
+                                                     **{**(kwargs or {}), "chat_template": self.chat_template})
         except Exception as e:  # a template that raises on these messages (jinja's raise_exception)
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -93,44 +98,7 @@ class Serving:
     def _check_length(self, n: int, param: str) -> None:
         if n >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                               f"{n} tokens, leaving no room for a completion.", param)
-
-    # ------------------------------------------------------------------ sampling parameters
-
-    def sampling_params(self, request: SamplingFields, prompt_len: int, logprobs: Optional[int],
-                        max_tokens: Optional[int]) -> SamplingParams:
-        if request.echo if isinstance(request, CompletionRequest) else False:
-            raise RequestError("echo is not supported", "echo")
-        if isinstance(request, CompletionRequest) and request.suffix is not None:
-            raise RequestError("suffix is not supported", "suffix")
-        room = self.max_model_len - prompt_len
-        if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        kwargs = {"temperature": 1.0, **self.default_sampling}  # OpenAI's default: sampling
-        given = request.model_fields_set
-        kwargs.update({name: getattr(request, name) for name in _PASSED
-                       if name in given and getattr(request, name) is not None})
-        kwargs["max_tokens"] = min(max_tokens, room) if max_tokens is not None else room
-        if request.top_k is not None:
-            kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k
-        if request.stop is not None:
-            stop = [request.stop] if isinstance(request.stop, str) else list(request.stop)
-            if stop:
-                kwargs["stop"] = stop
-        if logprobs is not None:
-            kwargs["logprobs"] = logprobs
-        defaults = type(request).model_fields
-        for name in set(kwargs) - self._params_fields:  # asked for the default: nothing to support
-            if name in defaults and kwargs[name] == defaults[name].default:
-                del kwargs[name]
-        unsupported = sorted(set(kwargs) - self._params_fields)
-        if unsupported:
-            raise RequestError(f"{unsupported[0]} is not supported by this engine", unsupported[0])
-        try:
-            return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as e:
-            match = re.search(r"SamplingParams: (\w+)", str(e))
-            raise RequestError(str(e), match.group(1) if match else None) from None
+                               f"{n} tokens, leaving no room for a completion.", param, code="context_length_exceeded")
 
     # ------------------------------------------------------------------ running
 

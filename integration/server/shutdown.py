@@ -20,7 +20,7 @@ from typing import AsyncIterator, Optional
 
 import uvicorn
 
-from .responses import ServerShuttingDown
+from .events import ServerShuttingDown
 from .serving import close_all, merge
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class RequestError(Exception):
@@ -24,16 +24,21 @@ def error_body(message: str, param: Optional[str] = None, kind: str = "invalid_r
 
 class Strict(BaseModel):
     # strict: a str where a number belongs (or a bool where an int does) is refused, not coerced;
-    # unknown fields are ignored, as OpenAI and vLLM do
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # an unknown field is refused too (nothing sent is silently ignored)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class SamplingFields(Strict):
-    """What both endpoints take: OpenAI's sampling fields, then vLLM's extras."""
+    """What both endpoints take: OpenAI's sampling fields, then vLLM's extras. Other fields are
+    kept (``model_extra``) for :func:`.refused.check_fields` to refuse by name."""
+
+    # (documented as closed: a field this model does not name is refused, see .refused)
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -46,7 +51,14 @@ class SamplingFields(Strict):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None  # {token id as text: bias in [-100, 100]}
+    # informational: accepted, nothing to do with the answer
     user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
     # vLLM's extras
     top_k: Optional[int] = None  # 0 or -1: off
     min_p: Optional[float] = None
@@ -57,3 +69,5 @@ class SamplingFields(Strict):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)
+    return_tokens_as_token_ids: bool = False

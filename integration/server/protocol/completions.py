@@ -14,4 +14,4 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)
     echo: bool = False
-    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(default=None, ge=1)  # only best_of == n: every completion made is returned

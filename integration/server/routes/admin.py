@@ -8,11 +8,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...engine.async_engine import EngineDeadError
 from ..protocol import error_body
+from ..protocol.documented import ErrorResponse
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={503: {"model": ErrorResponse, "description": "the engine has stopped"}})
 async def health(raw: Request):
     try:
         raw.app.state.engine.check_health()
@@ -21,7 +22,7 @@ async def health(raw: Request):
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prometheus_metrics(raw: Request):
     engine, metrics = raw.app.state.engine, raw.app.state.metrics
     if engine.is_running:

@@ -1,16 +1,18 @@
-"""vLLM's ``POST /tokenize`` and ``POST /detokenize``."""
+"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from ..protocol import DetokenizeRequest, RequestError, TokenizeRequest, message_dicts
+from ..protocol.documented import ERRORS, DetokenizeResponse, TokenizeResponse
 from ..respond import serving_of
+from ..tokenizer_info import tokenizer_info as describe
 
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses={200: {"model": TokenizeResponse}})
 async def tokenize(request: TokenizeRequest, raw: Request):
     serving = serving_of(raw)
     serving.check_model(request.model)
@@ -24,7 +26,7 @@ async def tokenize(request: TokenizeRequest, raw: Request):
     return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens, "token_strs": strs}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses={200: {"model": DetokenizeResponse}})
 async def detokenize(request: DetokenizeRequest, raw: Request):
     serving = serving_of(raw)
     serving.check_model(request.model)
@@ -32,3 +34,9 @@ async def detokenize(request: DetokenizeRequest, raw: Request):
     if bad:
         raise RequestError(f"tokens has ids outside [0, {serving.vocab_size}): {bad[:5]}", "tokens")
     return {"prompt": serving.tokenizer.decode(request.tokens)}
+
+
+@router.get("/tokenizer_info", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}}}})
+async def tokenizer_info(raw: Request):
+    serving = serving_of(raw)
+    return describe(serving.tokenizer, serving.chat_template)
