@@ -38,6 +38,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import StatsLog
+from .structured_outputs import GrammarCompilerCache
 from .step_runner import MAX_FAILURES, StepRunner
 
 __all__ = ["LLMEngine"]
@@ -108,6 +109,9 @@ class LLMEngine(EngineParts):
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
         self.stats_log = StatsLog()
         self.request_table = RequestTable(self.scheduler, self.stats_log, self._door, tokenizer)
+        # SamplingParams.structured_outputs: compiled at add_request, on the caller's thread
+        self.grammars = None if tokenizer is None else GrammarCompilerCache(tokenizer, config.vocab_size,
+                                                                            self.eos_token_ids)
         max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
                                       self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)

@@ -127,6 +127,8 @@ class StepRunner:
         """Append a sampled token to ``seq`` and finish it if the token ends it."""
         params, token = seq.params, sampled.token_id
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.advance([token])
         if seq.logprobs is not None:
             seq.logprobs.append(sampled.logprobs)
         stop_str = seq.detokenizer.push(token) if seq.detokenizer is not None else None
@@ -139,6 +141,8 @@ class StepRunner:
         elif stop_str is not None:
             seq.stop_reason = stop_str
             finish(seq, "stop")
+        elif seq.matcher is not None and seq.matcher.is_terminated:  # the constraint is complete
+            finish(seq, "stop")
         elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             finish(seq, "length")
 
@@ -147,7 +151,8 @@ class StepRunner:
         req = parent.request
         req.forked = True
         for i in range(1, req.params.n):
-            child = self.request_table.new_sequence(req, i, list(parent.token_ids))
+            matcher = None if parent.matcher is None else parent.matcher.fork()
+            child = self.request_table.new_sequence(req, i, list(parent.token_ids), matcher)
             child.num_computed = parent.num_computed
             child.status = Status.RUNNING
             self.pool.block_manager.fork(parent.seq_id, child.seq_id)
