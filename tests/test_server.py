@@ -46,10 +46,11 @@ PROMPTS = ["Hello, world!", "Grüße aus München — 東京タワー 🎉", "Th
 
 
 @contextlib.contextmanager
-def serving(llm, name=NAME, **engine_kwargs):
-    """An AsyncLLMEngine on ``llm`` and the app on uvicorn in a thread, on a free port."""
+def serving(llm, name=NAME, app_kwargs=None, **engine_kwargs):
+    """An AsyncLLMEngine on ``llm`` and the app (``build_app(..., **app_kwargs)``) on uvicorn in a
+    thread, on a free port."""
     engine = AsyncLLMEngine(llm, **engine_kwargs)
-    app = build_app(engine, name)
+    app = build_app(engine, name, **(app_kwargs or {}))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

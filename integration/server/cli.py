@@ -4,9 +4,11 @@ start the engine thread and serve the OpenAI-compatible API with uvicorn."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
+import threading
 
 from minipaged_ops.quantized import KV_CACHE_DTYPES
 
@@ -24,6 +26,18 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
                    help="on SIGTERM or Ctrl-C, how long the requests in flight may go on (new ones are refused at "
                         "once); then each is aborted, a stream ending with an error event saying the server is "
                         "shutting down. Default 0, as vLLM's: at once")
+    t = p.add_argument_group("tool calls")
+    t.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="tool_choice 'auto' (the default when a request has tools) parses the model's own tool calls "
+                        "out of its text. On by default, so a Qwen3 model calls tools with no flag; "
+                        "--no-enable-auto-tool-choice refuses 'auto' as vLLM does without the flag")
+    t.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
+                   help="how tool calls are written: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}"
+                        "</tool_call> (Qwen2.5, Qwen3, Hermes)")
+    t.add_argument("--structured-outputs-config", type=json.loads, default=None, metavar="JSON",
+                   help='server-wide structured-output options, as vLLM\'s: {"disable_any_whitespace": true} makes '
+                        "JSON constraints (response_format, structured_outputs.json, forced tool calls) write no "
+                        "whitespace between tokens, so a model cannot spend its tokens on it")
     e = p.add_argument_group("engine (LLMEngine's arguments)")
     e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --kv-cache-memory)")
     e.add_argument("--kv-cache-memory", type=float, default=None,
@@ -87,7 +101,11 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_on_signal)
     engine = AsyncLLMEngine(llm)
-    app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model))
+    if llm.grammars is not None:  # read the vocabulary for structured outputs now, not at the first such request
+        threading.Thread(target=_prepare_grammars, args=(llm.grammars,), daemon=True).start()
+    app = build_app(engine, args.served_model_name or args.model, model_path=os.path.abspath(args.model),
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    structured_outputs_config=args.structured_outputs_config)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
                             shutdown_timeout=args.shutdown_timeout)
     try:
@@ -96,6 +114,13 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
         engine.shutdown()  # the open responses have ended and aborted their requests: the thread stops
         llm.shutdown()  # a tensor-parallel engine's workers
     return 0 if server.started else 3  # 3: uvicorn's status for a server that could not start
+
+
+def _prepare_grammars(grammars) -> None:
+    try:
+        grammars.prepare()
+    except ValueError as e:  # xgrammar missing: said again to any request that asks for structured outputs
+        logging.getLogger(__name__).warning("structured outputs unavailable: %s", e)
 
 
 def _exit_on_signal(signum, frame):

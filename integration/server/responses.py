@@ -29,8 +29,9 @@ class Choice:
 class Formatter:
     """Builds one endpoint's bodies. ``chat``: chat.completion shapes, else text_completion."""
 
-    def __init__(self, serving, request_id: str, chat: bool, n: int, logprobs: Optional[int]):
+    def __init__(self, serving, request_id: str, chat: bool, n: int, logprobs: Optional[int], tools=None):
         self.serving, self.id, self.chat, self.n, self.logprobs = serving, request_id, chat, n, logprobs
+        self.tools = tools  # a chat request's ToolReplies (None: no tools): content and tool_calls
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -72,12 +73,15 @@ class Formatter:
         body["choices"] = []
         for c in sorted(choices, key=lambda c: c.index):
             choice = {"index": c.index}
-            if self.chat:
+            finish_reason = c.finish_reason
+            if self.chat and self.tools is not None:
+                choice["message"], finish_reason = self.tools.message(c.text, c.finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
             choice["logprobs"] = self.format_logprobs(c.logprobs)
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = finish_reason
             body["choices"].append(choice)
         body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
         return body
@@ -88,7 +92,9 @@ class Formatter:
               role: bool = False, include_usage: bool = False) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         choice = {"index": index}
-        if self.chat:
+        if self.chat and self.tools is not None and not role:
+            choice["delta"], finish_reason = self.tools.delta(index, text, finish_reason)
+        elif self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             choice["delta"] = delta
         else:

@@ -14,6 +14,7 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from ..engine import SamplingParams
+from .output_plan import OutputPlan, plan_outputs
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields, message_dicts
 
 # request field -> SamplingParams field, for the fields passed through when set
@@ -25,8 +26,11 @@ class Serving:
     """What the endpoints share: the engine, its tokenizer and the model's limits."""
 
     def __init__(self, engine, served_model_name: str, *, max_model_len: int, vocab_size: int,
-                 default_sampling: Optional[dict] = None, model_path: Optional[str] = None):
+                 default_sampling: Optional[dict] = None, model_path: Optional[str] = None,
+                 auto_tool_choice: bool = True, disable_any_whitespace: bool = False):
         self.engine = engine
+        self.auto_tool_choice = auto_tool_choice  # tool_choice "auto": the model's own calls are parsed
+        self.disable_any_whitespace = disable_any_whitespace  # JSON constraints' default
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -70,11 +74,13 @@ class Serving:
             prompts.append(ids)
         return prompts
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, request: ChatCompletionRequest, tools: Optional[list] = None) -> list[int]:
         if not request.messages:
             raise RequestError("messages must not be empty", "messages")
-        ids = self.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt,
-                                       request.chat_template_kwargs or {})
+        kwargs = dict(request.chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        ids = self.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt, kwargs)
         self._check_length(len(ids), "messages")
         return ids
 
@@ -97,8 +103,25 @@ class Serving:
 
     # ------------------------------------------------------------------ sampling parameters
 
+    def output_plan(self, request: SamplingFields) -> OutputPlan:
+        """The request's constraint and tool plan (``output_plan``); RequestError naming the field."""
+        names = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")
+        return plan_outputs({name: getattr(request, name, None) for name in names},
+                            auto_tool_choice=self.auto_tool_choice, disable_any_whitespace=self.disable_any_whitespace)
+
+    async def compile_constraint(self, plan: OutputPlan) -> None:
+        """Compile the plan's constraint now, on a worker thread (the engine finds it cached), so
+        that one that does not compile is refused naming its field."""
+        grammars = self.engine.engine.grammars
+        if plan.constraint is None or grammars is None:
+            return
+        try:
+            await asyncio.to_thread(grammars.compile, plan.constraint)
+        except ValueError as e:
+            raise RequestError(f"{plan.source}: {e}", plan.source) from None
+
     def sampling_params(self, request: SamplingFields, prompt_len: int, logprobs: Optional[int],
-                        max_tokens: Optional[int]) -> SamplingParams:
+                        max_tokens: Optional[int], plan: Optional[OutputPlan] = None) -> SamplingParams:
         if request.echo if isinstance(request, CompletionRequest) else False:
             raise RequestError("echo is not supported", "echo")
         if isinstance(request, CompletionRequest) and request.suffix is not None:
@@ -119,6 +142,8 @@ class Serving:
                 kwargs["stop"] = stop
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if plan is not None and plan.constraint is not None:
+            kwargs["structured_outputs"] = plan.constraint
         defaults = type(request).model_fields
         for name in set(kwargs) - self._params_fields:  # asked for the default: nothing to support
             if name in defaults and kwargs[name] == defaults[name].default:

@@ -57,3 +57,6 @@ class SamplingFields(Strict):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # the output's shape (see server/output_plan.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None

@@ -15,8 +15,10 @@ router = APIRouter()
 async def completions(request: CompletionRequest, raw: Request):
     serving = serving_of(raw)
     serving.check_model(request.model)
+    plan = serving.output_plan(request)
     prompts = serving.completion_prompts(request)
     max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
-    params = serving.sampling_params(request, max(map(len, prompts)), request.logprobs, max_tokens)
+    params = serving.sampling_params(request, max(map(len, prompts)), request.logprobs, max_tokens, plan)
+    await serving.compile_constraint(plan)
     formatter = Formatter(serving, new_id("cmpl"), False, params.n, request.logprobs)
     return await respond(raw, formatter, prompts, params, request)
