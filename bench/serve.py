@@ -11,6 +11,8 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
     python bench/serve.py --system-prompt 256      # shared prefix: adds "engine, no prefix caching"
     python bench/serve.py --n 4                    # 4 sampled continuations per request
     python bench/serve.py --penalties              # adds "engine, penalties" (repetition/presence/frequency)
+    python bench/serve.py --structured --systems engine --rounds 3
+                        # adds "engine, json schema" (every request) and "engine, half json schema"
     python bench/serve.py --quick                  # tiny shapes, a smoke run
     python bench/serve.py --systems engine --kv-cache-dtype auto,int8,fp8_e4m3 --kv-cache-memory 128e6 --rounds 2
                         # 8-bit KV caches: one engine row per format, all in the same memory (preemption-bound)
@@ -70,6 +72,9 @@ def parse_args(argv=None):
     w.add_argument("--penalties", action="store_true",
                    help="also run the engine with repetition, presence and frequency penalties on every request "
                         "(row 'engine, penalties')")
+    w.add_argument("--structured", action="store_true",
+                   help="also run the engine with a JSON schema on every request and on every other one (rows "
+                        "'engine, json schema', 'engine, half json schema'); every engine row then has a tokenizer")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model (random Qwen3 shaped like Qwen3-0.6B)")
     m.add_argument("--layers", type=int, default=4)
@@ -216,6 +221,12 @@ def progress(total: int, desc: str, args):
 
 
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+# --structured: what every constrained request obeys (a short title, a year, tags, then free notes:
+# a random model spends its tokens in structural states and inside strings)
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 12}, "year": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}, "notes": {"type": "string"}},
+    "required": ["title", "year", "tags", "notes"]}
 
 
 def sampling(args, penalties: bool = False) -> dict:
@@ -228,18 +239,21 @@ def sampling(args, penalties: bool = False) -> dict:
 
 
 def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None,
-               penalties=False, kv_cache_dtype="auto") -> RunResult:
+               penalties=False, kv_cache_dtype="auto", constrained_every=0) -> RunResult:
     """``make_engine(**engine_args)``: another way to build the engine (a tensor-parallel one);
     default ``LLMEngine(model, ...)``. The engine is shut down at the end. ``penalties``: every
     request with :data:`PENALTIES`. With ``--kv-cache-memory`` the pool is sized from those bytes
-    in ``kv_cache_dtype`` (fp8: scales from the first batch), else it has ``num_blocks``."""
-    from minipaged_ops.integration import LLMEngine, SamplingParams
+    in ``kv_cache_dtype`` (fp8: scales from the first batch), else it has ``num_blocks``.
+    ``constrained_every=k``: request i obeys :data:`BENCH_SCHEMA` when i % k == 0 (0: none)."""
+    from minipaged_ops.integration import LLMEngine, SamplingParams, StructuredOutputsParams
 
     size = dict(num_blocks=num_blocks) if args.kv_cache_memory is None else dict(kv_cache_memory=int(args.kv_cache_memory))
     engine_args = dict(size, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=prefix_caching)
     if kv_cache_dtype != "auto":
         engine_args.update(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
+    if getattr(args, "tokenizer", None) is not None:
+        engine_args["tokenizer"] = args.tokenizer
     engine = make_engine(**engine_args) if make_engine else LLMEngine(model, **engine_args)
     bm = engine.block_manager
     timelines: dict[str, Timeline] = {}
@@ -253,8 +267,10 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
             now = time.perf_counter()
             while i < len(pending) and start + pending[i].arrival <= now:
                 r = pending[i]
+                constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if constrained_every and \
+                    i % constrained_every == 0 else None
                 params = SamplingParams(n=args.n, max_tokens=r.max_tokens, ignore_eos=True, seed=args.seed + i,
-                                        **sampling(args, penalties))
+                                        structured_outputs=constraint, **sampling(args, penalties))
                 engine.add_request(r.request_id, r.prompt, params)
                 timelines[r.request_id] = Timeline(start + r.arrival)
                 i += 1
@@ -277,6 +293,8 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
             peak_running = max(peak_running, len(engine.scheduler.running) + sum(o.finished for o in outputs))
         wall = time.perf_counter() - start
         stats = dict(engine.stats(), memory_per_rank=memory_per_rank(engine), peak_running=peak_running)
+        if constrained_every:
+            stats["compile_seconds"] = list(engine.grammars.compile_seconds)
     finally:
         timer.close()
         bar.close()
@@ -685,6 +703,13 @@ def main(argv=None) -> int:
     if args.penalties and "engine" in systems:
         runners["engine, penalties"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, penalties", penalties=True)
+    if args.structured and "engine" in systems:
+        from structured_bench import bench_tokenizer
+
+        args.tokenizer = bench_tokenizer(vocab)
+        for name, every in (("engine, json schema", 1), ("engine, half json schema", 2)):
+            runners[name] = lambda reqs, blocks, name=name, every=every: run_engine(
+                model, reqs, args, blocks, desc=name, constrained_every=every)
     order = [s for s in runners if s.split(",")[0].split()[0] in systems]
 
     warm = make_workload(args, vocab, args.seed + 1000, count=min(4, args.requests))
@@ -743,6 +768,10 @@ def main(argv=None) -> int:
               f"computing it once, {args.system_prompt} tokens, {1 - args.system_prompt / (without - own):.0%} fewer)")
     if len(args.kv_cache_dtypes) > 1 or args.kv_cache_dtypes != ["auto"]:
         print_kv_formats(runs, requests, args)
+    if args.structured and "engine" in runs:
+        from structured_bench import print_structured
+
+        print_structured(runs, args.tokenizer, vocab, BENCH_SCHEMA)
     if tp_folder is not None:
         import shutil
 

@@ -1,8 +1,8 @@
 """What a step may change, saved before it runs, so that a failed step can be undone.
 
-A step changes its sequences (tokens, logprobs, text, grammar state, finish), their requests (completions forked
-at the first sample, prompt logprobs, timestamps, failures in a row, the registry of unfinished
-requests) and the counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the
+A step changes its sequences (tokens, logprobs, text, grammar state, finish), their requests
+(completions forked at the first sample, prompt logprobs, timestamps, failures in a row, the
+registry of unfinished requests) and the counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the
 step's sequences for recompute; the block manager forgets what the step wrote.
 """
 

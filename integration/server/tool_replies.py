@@ -11,8 +11,9 @@ and ``tool_calls``).
   (``finish_reason`` "tool_calls").
 - "none": the text as it is.
 
-A forced output cut by ``max_tokens`` is not a valid call: it comes back as content, with
-``finish_reason`` "length".
+A forced output cut by ``max_tokens`` is not a valid call: whole, it comes back as content,
+with ``finish_reason`` "length"; streamed, a named call's arguments stop where it was cut
+("length") and "required" sends what it held as content.
 """
 
 from __future__ import annotations
