@@ -9,7 +9,8 @@ step's chunks; ``sampler`` turns logits into tokens (with ``logits_processing`` 
 ``logprobs`` into the log-probabilities reported; ``sequence`` and
 ``outputs`` are the records; ``stats`` the capacity report and its bookkeeping; ``rollback`` what
 undoes a failed step; ``detokenizer`` turns tokens into text and finds stop strings;
-``async_engine`` (with ``streams``) drives an engine from asyncio; ``loading`` reads a model folder.
+``async_engine`` (with ``streams``) drives an engine from asyncio; ``loading`` reads a model folder;
+``speculative`` proposes tokens (n-gram) and decides which the model keeps.
 """
 
 from .async_engine import AsyncLLMEngine

@@ -37,6 +37,8 @@ from .request_table import RequestTable
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculative.config import SpeculativeConfig
+from .speculative.speculator import Speculator
 from .stats import StatsLog
 from .structured_outputs import GrammarCompilerCache
 from .step_runner import MAX_FAILURES, StepRunner
@@ -69,6 +71,10 @@ class LLMEngine(EngineParts):
             and kv head), "fp8_e4m3" or "fp8_e5m2" (a scale per layer); see minipaged_ops.quantized.
         calculate_kv_scales: fp8: set each layer's scales from the first batch's absolute maximum
             (else 1.0).
+        speculative_config: vLLM's, as a dict or its JSON text: ``{"method": "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` (see
+            ``speculative``): decoding sequences propose up to k tokens from their own history and
+            one forward keeps those the model agrees with; the tokens are those without it.
     """
 
     kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
@@ -77,7 +83,7 @@ class LLMEngine(EngineParts):
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", seed: int = 0, tokenizer=None, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False):
+                 calculate_kv_scales: bool = False, speculative_config=None):
         check_engine_args(model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode,
                           scheduling_policy=scheduling_policy, seed=seed)
@@ -91,6 +97,7 @@ class LLMEngine(EngineParts):
         self.kv_cache_dtype = quantized.cache_dtype(kv_cache_dtype, self.dtype)  # ValueError naming it
         quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)  # ValueError naming a bad key
         bytes_per_block = geometry.bytes_per_block(block_size, self.kv_cache_dtype)
         num_blocks = pool_blocks(num_blocks, kv_cache_memory, bytes_per_block=bytes_per_block, device=self.device,
                                  max_num_seqs=max_num_seqs, max_position_embeddings=self.max_position_embeddings,
@@ -98,23 +105,26 @@ class LLMEngine(EngineParts):
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
+        self.stats_log = StatsLog()
+        max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
+        self.speculator = None if self.speculative_config is None else Speculator(
+            self.speculative_config, self.stats_log.counters, max_model_len)
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
-                                   isolate_after=MAX_FAILURES - 1)
+                                   isolate_after=MAX_FAILURES - 1, speculator=self.speculator)
         self.eos_token_ids = eos_token_ids(model)  # read when a request is built
         if _compat.attention_implementation(model) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
         self._door = FrontDoor(seed)
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
-        self.stats_log = StatsLog()
         self.request_table = RequestTable(self.scheduler, self.stats_log, self._door, tokenizer)
         # SamplingParams.structured_outputs: compiled at add_request, on the caller's thread
         self.grammars = None if tokenizer is None else GrammarCompilerCache(tokenizer, config.vocab_size,
                                                                             self.eos_token_ids)
-        max_model_len = min(self.max_position_embeddings, num_blocks * block_size)
         self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
-                                      self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)
+                                      self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device,
+                                      speculator=self.speculator)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, device=None, tensor_parallel_size: int = 1,
@@ -207,7 +217,8 @@ class LLMEngine(EngineParts):
         all), with finished, aborted and errored requests counted apart. Safe from any thread
         (it waits for a running step to end)."""
         with self.step_lock:  # (EngineDeadError on a dead engine, from the door)
-            return self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
+            report = self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
+            return report if self.speculator is None else {**report, **self.speculator.report()}
 
     # ------------------------------------------------------------------ one iteration
 

@@ -54,6 +54,9 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
                         "scale per layer): one byte per K/V element, about twice the tokens of a bfloat16 cache")
     e.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8: set each layer's scales from the first batch's absolute maximum (else 1.0)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
     e.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model and the KV cache over N processes (one per GPU; under torchrun, across "
                         "machines: the same command on every node, rank 0 serves HTTP); --num-blocks and "
@@ -66,6 +69,8 @@ def engine_args(args) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
                   preemption_mode=args.preemption_mode, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales)
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config  # JSON text, checked by the engine
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory if args.kv_cache_memory <= 1 else int(args.kv_cache_memory)
     return kwargs

@@ -36,6 +36,12 @@ FROM_STATS = {
     "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions", "counter", "Preemptions of running sequences."),
 }
+# with speculative decoding on (the keys are in engine.stats() only then)
+SPEC_DECODE_STATS = {
+    "spec_decode_num_drafts": "Verified chunks of speculative proposals.",
+    "spec_decode_num_draft_tokens": "Speculative tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Speculative tokens accepted.",
+}
 
 
 @dataclass
@@ -118,8 +124,10 @@ class _FromStats:
                                                                                        labels=["model_name"])
             family.add_metric([self.metrics.model_name], self.metrics.stats.get(key, 0))
             yield family
-        # vLLM's cache_config_info: the KV cache's format and size as labels of a constant 1
         stats = self.metrics.stats
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec_decode(stats)
+        # vLLM's cache_config_info: the KV cache's format and size as labels of a constant 1
         if "kv_cache_dtype" in stats:
             labels = {"cache_dtype": stats["kv_cache_dtype"], "num_blocks": str(stats["blocks_total"]),
                       "kv_bytes_per_block": str(stats["kv_bytes_per_block"])}
@@ -127,3 +135,16 @@ class _FromStats:
                                        labels=["model_name", *labels])
             family.add_metric([self.metrics.model_name, *labels.values()], 1)
             yield family
+
+    def _spec_decode(self, stats: dict):
+        model = self.metrics.model_name
+        for key, doc in SPEC_DECODE_STATS.items():
+            family = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])
+            family.add_metric([model], stats[key])
+            yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative tokens accepted, by position in the proposal.",
+                                     labels=["model_name", "position"])
+        for pos, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([model, str(pos)], count)
+        yield family
