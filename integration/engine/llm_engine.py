@@ -29,6 +29,8 @@ from minipaged_ops.block_manager import KVBlockManager
 from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, check_full_attention, kv_geometry
+from ..linear16 import widen_linears
+from ..weight_quant import check_quantization, describe_weights
 from .engine_args import check_engine_args, default_block_size, eos_token_ids, pool_blocks, text_config
 from .engine_parts import EngineParts
 from .front_door import EngineDeadError, FrontDoor, build_request
@@ -113,6 +115,9 @@ class LLMEngine(EngineParts):
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
                                    isolate_after=MAX_FAILURES - 1, speculator=self.speculator)
         self.eos_token_ids = eos_token_ids(model)  # read when a request is built
+        if self.device.type == "cpu":
+            widen_linears(model)  # 16-bit weights at float32 speed where the CPU lacks 16-bit dot products
+        self.weights = describe_weights(model)
         if _compat.attention_implementation(model) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -128,21 +133,23 @@ class LLMEngine(EngineParts):
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, device=None, tensor_parallel_size: int = 1,
-                        **engine_args) -> "LLMEngine":
+                        quantization: Optional[str] = None, **engine_args) -> "LLMEngine":
         """An engine on the model and tokenizer in the local folder ``path`` (``AutoModelForCausalLM``
         + ``AutoTokenizer``, nothing downloaded; see :func:`.loading.load_pretrained`). ``dtype``:
         None keeps the checkpoint's; ``device``: None is CUDA when there is one. ``engine_args`` are
         this constructor's (a ``tokenizer=`` given there replaces the folder's).
         ``tensor_parallel_size=N > 1``: the engine of rank 0 of N processes, each holding 1/N of the
         model and of the KV cache (``num_blocks`` and ``kv_cache_memory`` per rank; see
-        :func:`..distributed.start_engine`)."""
+        :func:`..distributed.start_engine`). ``quantization``: "int8" or "int4" weight-only (CPU; see
+        :mod:`..weight_quant`), not with tensor parallelism."""
+        check_quantization(quantization, tensor_parallel_size=tensor_parallel_size)
         if tensor_parallel_size != 1:
             from ..distributed import start_engine
 
             return start_engine(path, tensor_parallel_size, dtype=dtype, device=device, **engine_args)
         from .loading import load_pretrained
 
-        model, tokenizer = load_pretrained(path, dtype=dtype, device=device)
+        model, tokenizer = load_pretrained(path, dtype=dtype, device=device, quantization=quantization)
         engine_args.setdefault("tokenizer", tokenizer)
         return cls(model, **engine_args)
 
@@ -214,10 +221,12 @@ class LLMEngine(EngineParts):
     def stats(self, window_s: Optional[float] = None) -> dict:
         """The capacity report: queues, pool use, prefix-cache hit rate, preemptions, and latency
         percentiles (seconds) over the requests that ended in the last ``window_s`` seconds (None:
-        all), with finished, aborted and errored requests counted apart. Safe from any thread
+        all), with finished, aborted and errored requests counted apart; the weights' format and
+        bytes (``weight_format``, ``weight_bytes``). Safe from any thread
         (it waits for a running step to end)."""
         with self.step_lock:  # (EngineDeadError on a dead engine, from the door)
-            report = self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
+            report = {**self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s),
+                      **self.weights}
             return report if self.speculator is None else {**report, **self.speculator.report()}
 
     # ------------------------------------------------------------------ one iteration

@@ -12,6 +12,8 @@ import threading
 
 from minipaged_ops.quantized import KV_CACHE_DTYPES
 
+from ..weight_quant import QUANTIZATIONS
+
 
 def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="An OpenAI-compatible server on minipaged's LLMEngine.")
@@ -21,6 +23,9 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight-only quantization of the linear layers (CPU): int8 (a scale per output channel) or "
+                        "int4 (a scale and zero point per group of 128 inputs); default: the weights as loaded")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long the requests in flight may go on (new ones are refused at "
@@ -97,9 +102,12 @@ def main(argv=None, prog: str = "python -m minipaged_ops.serve") -> int:
     try:
         llm = LLMEngine.from_pretrained(args.model, dtype=None if args.dtype == "auto" else args.dtype,
                                         device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-                                        **engine_args(args))
+                                        quantization=args.quantization, **engine_args(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    weights = llm.stats()
+    logging.getLogger("minipaged.serve").info("weights: %s, %.1f MiB", weights["weight_format"],
+                                              weights["weight_bytes"] / 2**20)
     # uvicorn re-raises the signal that stopped it once it has stopped serving: end through the
     # finally below, so the engine can stop what it started (a tensor-parallel engine's workers),
     # with the shell's exit status for a signal (128 + its number) and no traceback

@@ -35,6 +35,7 @@ FROM_STATS = {
     "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions", "counter", "Preemptions of running sequences."),
+    "weight_bytes": ("weight_bytes", "gauge", "Bytes of the model's parameters and buffers (its weights as held)."),
 }
 # with speculative decoding on (the keys are in engine.stats() only then)
 SPEC_DECODE_STATS = {
@@ -134,6 +135,11 @@ class _FromStats:
             family = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.",
                                        labels=["model_name", *labels])
             family.add_metric([self.metrics.model_name, *labels.values()], 1)
+            yield family
+        if "weight_format" in stats:  # the weights' format likewise (e.g. "int8", "bfloat16 (float32 arithmetic)")
+            family = GaugeMetricFamily(PREFIX + "weight_format_info", "The format of the model's linear layers.",
+                                       labels=["model_name", "weight_format"])
+            family.add_metric([self.metrics.model_name, stats["weight_format"]], 1)
             yield family
 
     def _spec_decode(self, stats: dict):
