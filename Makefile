@@ -8,7 +8,7 @@ PIP    := $(PIP_LOUD) -q
 # pip resolves torch to the CUDA build, which also runs on CPU-only machines.
 DEPS   := "torch>=2.11" "transformers>=5.17,<6" "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy \
           pytest hypothesis expecttest tqdm matplotlib accelerate fastapi uvicorn prometheus-client openai \
-          "lm-eval[api]" schemathesis guidellm
+          "xgrammar>=0.2.9" jsonschema "torchao==0.18.0" "lm-eval[api]" schemathesis guidellm
 # transformers' oldest supported release (with the dependency versions it resolves), installed
 # beside the newest in a folder that goes first on PYTHONPATH, for a second integration run.
 TF_OLDEST     := 5.17.0

@@ -78,12 +78,17 @@ def measure(dtype: torch.dtype, *, vocab: int = 192, head_dim: int = 128, max_to
     return {fmt: compare(reference, run(model, prompts, fmt, max_tokens, vocab)) for fmt in FORMATS}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, doc: str = __doc__):
+    """--requests, --max-tokens, --seeds (bench/weight_quality.py takes the same)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seeds", type=int, default=3, help="models (and workloads) of seeds 0 .. n-1")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     print("format     model dtype  seed  agree (top-5 rule)  exactly equal  mean KL(auto || format)  steps")
     for dtype in (torch.float32, torch.bfloat16):
         for seed in range(args.seeds):

@@ -11,9 +11,20 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
     python bench/serve.py --system-prompt 256      # shared prefix: adds "engine, no prefix caching"
     python bench/serve.py --n 4                    # 4 sampled continuations per request
     python bench/serve.py --penalties              # adds "engine, penalties" (repetition/presence/frequency)
+    python bench/serve.py --structured --systems engine --rounds 3
+                        # adds "engine, json schema" (every request) and "engine, half json schema"
     python bench/serve.py --quick                  # tiny shapes, a smoke run
+    python bench/serve.py --systems engine --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+                        # adds "engine, speculative" (the same engine with speculative decoding)
+    python bench/serve.py --workload repeat --systems engine --max-num-seqs 1 --speculative-config '...'
+                        # outputs that copy an edited text out of their prompt (a scripted model)
     python bench/serve.py --systems engine --kv-cache-dtype auto,int8,fp8_e4m3 --kv-cache-memory 128e6 --rounds 2
                         # 8-bit KV caches: one engine row per format, all in the same memory (preemption-bound)
+
+Workloads: "random" (the default: random prompts, outputs the random model's greedy tokens);
+"repeat": each prompt holds an old version of a text (every 16th token edited), then the start of
+the new version, and the model is rewritten (``tiny.script_greedy``) so that greedy decoding
+continues the new version: outputs copy long runs of their prompt, as code edits and quotes do.
 
 Systems (rows):
   engine        minipaged_ops.integration.LLMEngine: iteration-level scheduling on the paged cache
@@ -70,7 +81,12 @@ def parse_args(argv=None):
     w.add_argument("--penalties", action="store_true",
                    help="also run the engine with repetition, presence and frequency penalties on every request "
                         "(row 'engine, penalties')")
+    w.add_argument("--structured", action="store_true",
+                   help="also run the engine with a JSON schema on every request and on every other one (rows "
+                        "'engine, json schema', 'engine, half json schema'); every engine row then has a tokenizer")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--workload", choices=("random", "repeat"), default="random",
+                   help="repeat: outputs copy an edited text out of their prompt (see above)")
     m = p.add_argument_group("model (random Qwen3 shaped like Qwen3-0.6B)")
     m.add_argument("--layers", type=int, default=4)
     m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -89,6 +105,8 @@ def parse_args(argv=None):
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N > 1 adds the row 'engine tp=N': the engine over N processes on this machine "
                         "(gloo), each with 1/N of the heads and of the KV cache; plus memory and collectives per rank")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="adds the row 'engine, speculative': the engine with this speculative_config")
     s.add_argument("--systems", default="engine,transformers,static,roof",
                    help="comma-separated subset of engine,transformers,static,roof")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -138,6 +156,8 @@ class Request:
 
 
 def make_workload(args, vocab: int, seed: int, count: int | None = None) -> list[Request]:
+    if args.workload == "repeat":
+        return [Request(f"r{i}", prompt, n, 0.0) for i, (prompt, n) in enumerate(repeat_texts(args, seed, count)[1])]
     g = torch.Generator().manual_seed(seed)
     count = count or args.requests
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
@@ -149,6 +169,31 @@ def make_workload(args, vocab: int, seed: int, count: int | None = None) -> list
         prompt = system + torch.randint(3, vocab, (draw(*args.prompt_len),), generator=g).tolist()
         requests.append(Request(f"r{i}", prompt, draw(*args.output_len), t))
     return requests
+
+
+REPEAT_EDIT_EVERY = 16
+
+
+def repeat_texts(args, seed: int, count: int | None = None):
+    """The "repeat" workload: (the script of every text, concatenated; [(prompt, output tokens)]).
+    Text i is a run of distinct token ids; its prompt is the text with every 16th token replaced
+    (the old version), then the text's first half; the output is the rest of the text."""
+    count = count or args.requests
+    length = args.prompt_len[1]
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(args.shape["hidden"] - 3, generator=g) + 3).tolist()  # distinct, <= hidden (script_greedy)
+    if count * (length + length // REPEAT_EDIT_EVERY + 1) > len(ids):
+        raise SystemExit(f"--workload repeat: {count} texts of {length} tokens need more than {len(ids)} distinct ids")
+    script, work = [], []
+    for _ in range(count):
+        text, ids = ids[:length], ids[length:]
+        edits, ids = ids[:length // REPEAT_EDIT_EVERY + 1], ids[length // REPEAT_EDIT_EVERY + 1:]
+        old = [edits[j // REPEAT_EDIT_EVERY] if j % REPEAT_EDIT_EVERY == REPEAT_EDIT_EVERY - 1 else t
+               for j, t in enumerate(text)]
+        half = length // 2
+        work.append((old + text[:half], min(args.output_len[1], length - half - 1)))
+        script += text
+    return script, work
 
 
 def blocks_needed(requests, block_size: int, n: int) -> int:
@@ -216,6 +261,12 @@ def progress(total: int, desc: str, args):
 
 
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+# --structured: what every constrained request obeys (a short title, a year, tags, then free notes:
+# a random model spends its tokens in structural states and inside strings)
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 12}, "year": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}, "notes": {"type": "string"}},
+    "required": ["title", "year", "tags", "notes"]}
 
 
 def sampling(args, penalties: bool = False) -> dict:
@@ -228,18 +279,23 @@ def sampling(args, penalties: bool = False) -> dict:
 
 
 def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=True, make_engine=None,
-               penalties=False, kv_cache_dtype="auto") -> RunResult:
+               penalties=False, kv_cache_dtype="auto", constrained_every=0, speculative_config=None) -> RunResult:
     """``make_engine(**engine_args)``: another way to build the engine (a tensor-parallel one);
     default ``LLMEngine(model, ...)``. The engine is shut down at the end. ``penalties``: every
     request with :data:`PENALTIES`. With ``--kv-cache-memory`` the pool is sized from those bytes
-    in ``kv_cache_dtype`` (fp8: scales from the first batch), else it has ``num_blocks``."""
-    from minipaged_ops.integration import LLMEngine, SamplingParams
+    in ``kv_cache_dtype`` (fp8: scales from the first batch), else it has ``num_blocks``.
+    ``constrained_every=k``: request i obeys :data:`BENCH_SCHEMA` when i % k == 0 (0: none)."""
+    from minipaged_ops.integration import LLMEngine, SamplingParams, StructuredOutputsParams
 
     size = dict(num_blocks=num_blocks) if args.kv_cache_memory is None else dict(kv_cache_memory=int(args.kv_cache_memory))
     engine_args = dict(size, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=prefix_caching)
     if kv_cache_dtype != "auto":
         engine_args.update(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
+    if getattr(args, "tokenizer", None) is not None:
+        engine_args["tokenizer"] = args.tokenizer
+    if speculative_config is not None:
+        engine_args.update(speculative_config=speculative_config)
     engine = make_engine(**engine_args) if make_engine else LLMEngine(model, **engine_args)
     bm = engine.block_manager
     timelines: dict[str, Timeline] = {}
@@ -253,8 +309,10 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
             now = time.perf_counter()
             while i < len(pending) and start + pending[i].arrival <= now:
                 r = pending[i]
+                constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if constrained_every and \
+                    i % constrained_every == 0 else None
                 params = SamplingParams(n=args.n, max_tokens=r.max_tokens, ignore_eos=True, seed=args.seed + i,
-                                        **sampling(args, penalties))
+                                        structured_outputs=constraint, **sampling(args, penalties))
                 engine.add_request(r.request_id, r.prompt, params)
                 timelines[r.request_id] = Timeline(start + r.arrival)
                 i += 1
@@ -277,6 +335,8 @@ def run_engine(model, requests, args, num_blocks, desc="engine", prefix_caching=
             peak_running = max(peak_running, len(engine.scheduler.running) + sum(o.finished for o in outputs))
         wall = time.perf_counter() - start
         stats = dict(engine.stats(), memory_per_rank=memory_per_rank(engine), peak_running=peak_running)
+        if constrained_every:
+            stats["compile_seconds"] = list(engine.grammars.compile_seconds)
     finally:
         timer.close()
         bar.close()
@@ -643,8 +703,12 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, args.dtype)
     vocab = args.shape["vocab"]
-    model = tiny_model("qwen3", layers=args.layers, max_positions=4096, init_range=None, tie_embeddings=True,
-                       dtype=dtype, **args.shape)
+    model = tiny_model("qwen3", layers=args.layers, max_positions=4096, init_range=None,
+                       tie_embeddings=args.workload != "repeat", dtype=dtype, **args.shape)
+    if args.workload == "repeat":
+        from minipaged_ops.tiny import script_greedy
+
+        script_greedy(model, repeat_texts(args, args.seed)[0])
     requests = make_workload(args, vocab, args.seed)
     num_blocks = args.num_blocks or blocks_needed(requests, args.block_size, args.n)
     if args.kv_cache_memory is not None:  # what the model's dtype fits (the engine rows size their own)
@@ -682,9 +746,19 @@ def main(argv=None) -> int:
     if args.system_prompt and "engine" in systems:
         runners["engine, no prefix caching"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, no prefix caching", prefix_caching=False)
+    if args.speculative_config and "engine" in systems:
+        runners["engine, speculative"] = lambda reqs, blocks: run_engine(
+            model, reqs, args, blocks, desc="engine, speculative", speculative_config=args.speculative_config)
     if args.penalties and "engine" in systems:
         runners["engine, penalties"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, penalties", penalties=True)
+    if args.structured and "engine" in systems:
+        from structured_bench import bench_tokenizer
+
+        args.tokenizer = bench_tokenizer(vocab)
+        for name, every in (("engine, json schema", 1), ("engine, half json schema", 2)):
+            runners[name] = lambda reqs, blocks, name=name, every=every: run_engine(
+                model, reqs, args, blocks, desc=name, constrained_every=every)
     order = [s for s in runners if s.split(",")[0].split()[0] in systems]
 
     warm = make_workload(args, vocab, args.seed + 1000, count=min(4, args.requests))
@@ -743,6 +817,10 @@ def main(argv=None) -> int:
               f"computing it once, {args.system_prompt} tokens, {1 - args.system_prompt / (without - own):.0%} fewer)")
     if len(args.kv_cache_dtypes) > 1 or args.kv_cache_dtypes != ["auto"]:
         print_kv_formats(runs, requests, args)
+    if args.structured and "engine" in runs:
+        from structured_bench import print_structured
+
+        print_structured(runs, args.tokenizer, vocab, BENCH_SCHEMA)
     if tp_folder is not None:
         import shutil
 

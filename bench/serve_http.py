@@ -52,7 +52,8 @@ SYSTEMS = ("minipaged", "transformers", "transformers-cb", "engine")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder (default: write the random one to bench/out/)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all, or none with --url)")
     p.add_argument("--url", action="append", default=[], help="an already running server's /v1 URL (repeatable)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--arrival", choices=("burst", "poisson"), default="burst")
@@ -72,6 +73,12 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1,
                    help="run the systems this many times, in alternating order (a b c, c b a, ...); the table has "
                         "each system's median run by tokens/s, the ratios are of medians")
+    p.add_argument("--baseline-model", default=None, metavar="DIR",
+                   help="also run minipaged's server on this folder, in its own dtype (system 'minipaged-baseline'), "
+                        "alternated with the others: e.g. the float32 model beside its bfloat16 copy")
+    p.add_argument("--minipaged-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of the minipaged server, e.g. --minipaged-arg=--quantization "
+                        "--minipaged-arg=int8 (repeatable; bench/llama_cpp.py passes its pairs' so)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--quick", action="store_true", help="tiny model, 6 short requests")
     args = p.parse_args(argv)
@@ -81,8 +88,10 @@ def parse_args(argv=None):
     for name in ("prompt_len", "output_len"):
         lo, _, hi = getattr(args, name).partition(":")
         setattr(args, name, (int(lo), int(hi or lo)))
-    args.systems = [s for s in args.systems.split(",") if s] if not args.url else []
-    unknown = set(args.systems) - set(SYSTEMS)
+    args.systems = [s for s in (args.systems or ("" if args.url else ",".join(SYSTEMS))).split(",") if s]
+    if args.baseline_model:
+        args.systems.append("minipaged-baseline")
+    unknown = set(args.systems) - set(SYSTEMS) - {"minipaged-baseline"}
     if unknown:
         p.error(f"--systems: unknown {sorted(unknown)}")
     return args
@@ -209,11 +218,13 @@ def free_port() -> int:
 
 def server_command(system: str, folder: str, port: int, args, requests) -> list[str]:
     e = engine_args(args, requests)
-    if system == "minipaged":
+    if system in ("minipaged", "minipaged-baseline"):
+        folder, dtype = (args.baseline_model, "auto") if system == "minipaged-baseline" else (folder, args.dtype)
         return [sys.executable, "-m", "minipaged_ops.serve", "--model", folder, "--port", str(port),
-                "--served-model-name", "bench", "--log-level", "warning", "--dtype", args.dtype,
+                "--served-model-name", "bench", "--log-level", "warning", "--dtype", dtype,
                 "--num-blocks", str(e["num_blocks"]), "--block-size", str(e["block_size"]),
-                "--max-num-seqs", str(e["max_num_seqs"]), "--max-num-batched-tokens", str(e["max_num_batched_tokens"])]
+                "--max-num-seqs", str(e["max_num_seqs"]), "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
+                *(args.minipaged_arg if system == "minipaged" else [])]
     command = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
                "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", args.dtype,
                "--log-level", "warning"]
@@ -451,7 +462,9 @@ def main(argv=None) -> int:
     if "minipaged" in by and "engine" in by:
         print(f"minipaged server / in-process engine: {by['minipaged']['_tok_s'] / by['engine']['_tok_s']:.0%} "
               f"of the output tokens/s")
-    for other, how in (("transformers", "transformers serve"), ("transformers-cb", "transformers serve --continuous-batching")):
+    for other, how in (("transformers", "transformers serve"), ("transformers-cb", "transformers serve --continuous-batching"),
+                       ("minipaged-baseline", f"minipaged on {args.baseline_model}"),
+                       *((f"url {i}", u) for i, u in enumerate(args.url))):
         if "minipaged" in by and other in by:
             print(f"minipaged server / {how}: {by['minipaged']['_tok_s'] / by[other]['_tok_s']:.2f}x output tokens/s; "
                   f"TTFT P99 {by['minipaged']['_ttft_p99']:.2f} s vs {by[other]['_ttft_p99']:.2f} s")
@@ -468,7 +481,8 @@ def main(argv=None) -> int:
             print(f"{name}: out tok/s of each run {', '.join(f'{r:.1f}' for r in values)} (load average at its start "
                   f"{', '.join(f'{x:.1f}' for x in loads[name])}; the table: the median run)")
         # paired within a round (the systems ran back to back), steadier than a ratio of medians when the load moves
-        for other in ("engine", "transformers", "transformers-cb"):
+        for other in ("engine", "transformers", "transformers-cb", "minipaged-baseline",
+                      *(f"url {i}" for i in range(len(args.url)))):
             if "minipaged" in rates and other in rates and len(rates[other]) == len(rates["minipaged"]):
                 ratios = [a / b for a, b in zip(rates["minipaged"], rates[other])]
                 print(f"minipaged / {other} per round: {', '.join(f'{r:.2f}' for r in ratios)} "

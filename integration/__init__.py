@@ -22,7 +22,8 @@ from minipaged_ops.block_manager import OutOfBlocksError
 from . import _compat
 from .attention import ATTN_IMPLEMENTATION, minipaged_attention_forward, minipaged_mask
 from .cache import PagedKVCache, attach_hooks, detach_hooks
-from .engine import AsyncLLMEngine, CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
+from .engine import (AsyncLLMEngine, CompletionOutput, LLMEngine, RequestMetrics, RequestOutput, SamplingParams,
+                     StructuredOutputsParams)
 from .kv_pool import KVPool
 from .planner import ScheduledChunk, StepMetadata, plan_step
 
@@ -37,6 +38,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "ScheduledChunk",
     "StepMetadata",
     "attach_hooks",

@@ -218,6 +218,9 @@ class PagedKVCache(_compat.Cache, HookedCache):
         ``truncate``). A positive argument is the length to keep (the older call's meaning)."""
         if self._in_step:
             raise RuntimeError("PagedKVCache: cannot crop during a forward")
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0 and \
+                not tokens_to_remove.is_floating_point():
+            tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted generation passes one
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"PagedKVCache.crop: tokens_to_remove must be an int, got {tokens_to_remove!r}")
         remove = -tokens_to_remove if tokens_to_remove <= 0 else self._columns - tokens_to_remove

@@ -54,9 +54,10 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def kv_geometry(model: torch.nn.Module) -> KVGeometry:
     """Layers, kv heads and head_dim as the model's attention modules compute them (kv heads from
-    the rows of ``k_proj``'s weight, so a sharded projection gives this rank's share)."""
+    ``k_proj``'s output features, so a sharded projection gives this rank's share, and a quantized
+    one, which has no ``weight``, its own)."""
     layers = attention_modules(model)
-    shapes = {(int(m.k_proj.weight.shape[0]) // int(m.head_dim), int(m.head_dim)) for m in layers}
+    shapes = {(int(m.k_proj.out_features) // int(m.head_dim), int(m.head_dim)) for m in layers}
     if len(shapes) != 1:
         raise ValueError(f"{type(model).__name__}: the layers differ in (kv heads, head_dim): {sorted(shapes)}")
     num_kv_heads, head_dim = shapes.pop()

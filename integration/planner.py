@@ -39,6 +39,9 @@ class ScheduledChunk:
     cached: int = 0
     # the logits of every token of the chunk are needed, not only the last one's (prompt logprobs)
     all_logits: bool = False
+    # trailing tokens that are speculative proposals (a verify chunk, with all_logits): the
+    # step's commit keeps those the model agrees with and cuts the sequence back past the rest
+    num_proposals: int = 0
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,18 @@ def copy_blocks(
     _ops.copy_blocks(key_cache, value_cache, block_mapping, key_scale, value_scale)
 
 
+def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``input @ weight.T + bias`` for a bfloat16 or float16 ``weight`` (``[out_features,
+    in_features]``), computed in float32 with the weight widened a block of rows at a time (it stays
+    16-bit in memory); returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products."""
+    return _ops.linear_widened(input, weight, bias)
+
+
+@torch.library.register_fake("minipaged::linear_widened")
+def _linear_widened_fake(input, weight, bias=None):
+    return input.new_empty((*input.shape[:-1], weight.size(0)))
+
+
 @torch.library.register_fake("minipaged::paged_attention_decode")
 def _paged_attention_decode_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
                                  key_scale=None, value_scale=None):

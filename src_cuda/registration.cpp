@@ -35,6 +35,9 @@ TORCH_LIBRARY(minipaged, m) {
   m.def(
       "copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping, "
       "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
+  // input @ weight.T + bias with a bfloat16/float16 weight, in float32 arithmetic (cpu/linear.cpp):
+  // for CPUs without 16-bit dot products. Returns input's dtype.
+  m.def("linear_widened(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   // What this build compiled, and why a backend is missing (e.g. no nvcc for a CUDA torch).
   m.def("build_info() -> str", [] { return std::string(MINIPAGED_BUILD_INFO); });
   // The CPU kernels' instruction-set variant in use, and those this CPU could use (cpu/isa.h).

@@ -581,6 +581,7 @@ def test_an_int8_server_answers_and_its_metrics_name_the_format(folder, tmp_path
 
 @pytest.mark.parametrize("argv,message", [
     (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice: 'int4'"),
+    (["--quantization", "fp4"], "argument --quantization: invalid choice: 'fp4'"),
     (["--kv-cache-dtype", "int8", "--calculate-kv-scales"],
      "--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2, got int8"),
     (["--calculate-kv-scales"], "--calculate-kv-scales sets fp8 scales: it needs --kv-cache-dtype fp8_e4m3 or "

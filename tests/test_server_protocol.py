@@ -246,11 +246,6 @@ REFUSED = [
     ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
     ("/tokenize", {"prompt": "hi", "nonsense": 1}, "nonsense"),
 ]

@@ -40,6 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..linear16 import linear  # F.linear, 16-bit weights in float32 arithmetic where the CPU needs it
+
 __all__ = ["all_reduce_max", "check_shardable", "collective_seconds", "shard_model", "tp_plan"]
 
 _collective_seconds = 0.0  # this process's host time in the model's collectives
@@ -155,6 +157,9 @@ class ColumnParallelLinear(nn.Linear):
         bias = None if source.bias is None else source.bias.detach()[rows]
         return _linear_like(cls, source, source.weight.detach()[rows], bias, source.in_features, out)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """This rank's input columns of a Linear; the partial outputs are summed over the group."""
@@ -169,7 +174,7 @@ class RowParallelLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         _timed(dist.all_reduce, out, group=self.group)
         return out if self.bias is None else out + self.bias  # the bias once, after the sum
 
@@ -226,7 +231,7 @@ class ParallelLMHead(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight, self.bias).contiguous()
+        local = linear(x, self.weight, self.bias).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
         _timed(dist.gather, local, parts, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                     group=self.group)

@@ -84,6 +84,10 @@ class AsyncLLMEngine:
                 raise ValueError("add_request: a text prompt needs an engine with a tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         prompt = list(prompt)
+        constraint = getattr(params, "structured_outputs", None)
+        if constraint is not None and self.engine.grammars is not None:
+            # compiled (and cached) on a worker thread: neither this loop nor the engine's steps wait
+            await asyncio.to_thread(self.engine.grammars.compile, constraint)
         self.check_health()
         stream = RequestStream(request_id, on_close=lambda: self._abort(request_id, stream))
         with self._wake:

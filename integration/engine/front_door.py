@@ -71,8 +71,15 @@ def build_request(engine, request_id, prompt_token_ids, params, priority) -> Req
         raise ValueError(f"add_request: logit_bias of {request_id!r} has token ids outside [0, {vocab}): {outside[:5]}")
     if params.stop and engine.tokenizer is None:
         raise ValueError("add_request: SamplingParams.stop needs the engine's tokenizer: LLMEngine(..., tokenizer=...)")
+    constraint = None
+    if params.structured_outputs is not None:
+        if engine.tokenizer is None:
+            raise ValueError("add_request: SamplingParams.structured_outputs needs the engine's tokenizer: "
+                             "LLMEngine(..., tokenizer=...)")
+        constraint = engine.grammars.compile(params.structured_outputs)  # ValueError naming the field
     return Request(request_id, prompt, params, arrival=0, priority=priority, seed=0,
-                   metrics=RequestMetrics(time.perf_counter()), eos_token_ids=engine.eos_token_ids)
+                   metrics=RequestMetrics(time.perf_counter()), eos_token_ids=engine.eos_token_ids,
+                   constraint=constraint)
 
 
 class EngineDeadError(RuntimeError):

@@ -29,6 +29,8 @@ from minipaged_ops.block_manager import KVBlockManager
 from .. import _compat
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv_pool import KVPool, check_full_attention, kv_geometry
+from ..linear16 import widen_linears
+from ..weight_quant import check_quantization, describe_weights
 from .engine_args import check_engine_args, default_block_size, eos_token_ids, model_len, pool_blocks, text_config
 from .engine_parts import EngineParts
 from .front_door import EngineDeadError, FrontDoor, build_request
@@ -37,7 +39,10 @@ from .request_table import RequestTable
 from .sampler import Sampler
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import Scheduler
+from .speculative.config import SpeculativeConfig
+from .speculative.speculator import Speculator
 from .stats import StatsLog
+from .structured_outputs import GrammarCompilerCache
 from .step_runner import MAX_FAILURES, StepRunner
 
 __all__ = ["LLMEngine"]
@@ -72,6 +77,10 @@ class LLMEngine(EngineParts):
             ``prompt_logprobs``); -1: the whole vocabulary. vLLM's default, 20.
         max_model_len: the longest sequence (prompt + generated); None: the model's positions or
             the pool's tokens, whichever is fewer. A pool sized from memory is sized for it.
+        speculative_config: vLLM's, as a dict or its JSON text: ``{"method": "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` (see
+            ``speculative``): decoding sequences propose up to k tokens from their own history and
+            one forward keeps those the model agrees with; the tokens are those without it.
     """
 
     kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
@@ -80,7 +89,7 @@ class LLMEngine(EngineParts):
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", seed: int = 0, tokenizer=None, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False, max_logprobs: int = MAX_LOGPROBS,
+                 calculate_kv_scales: bool = False, speculative_config=None, max_logprobs: int = MAX_LOGPROBS,
                  max_model_len: Optional[int] = None):
         check_engine_args(model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode,
@@ -96,6 +105,7 @@ class LLMEngine(EngineParts):
         self.kv_cache_dtype = quantized.cache_dtype(kv_cache_dtype, self.dtype)  # ValueError naming it
         quantized.check_calculate_kv_scales(calculate_kv_scales, kv_cache_dtype)
         self.max_position_embeddings = getattr(config, "max_position_embeddings", None) or 1 << 30
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)  # ValueError naming a bad key
         bytes_per_block = geometry.bytes_per_block(block_size, self.kv_cache_dtype)
         num_blocks = pool_blocks(num_blocks, kv_cache_memory, bytes_per_block=bytes_per_block, device=self.device,
                                  max_num_seqs=max_num_seqs, block_size=block_size,
@@ -106,37 +116,48 @@ class LLMEngine(EngineParts):
         block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.pool = self.kv_pool_class(geometry, block_manager, dtype=self.kv_cache_dtype, device=self.device,
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
+        self.stats_log = StatsLog()
+        self.speculator = None if self.speculative_config is None else Speculator(
+            self.speculative_config, self.stats_log.counters, max_model_len)
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
-                                   isolate_after=MAX_FAILURES - 1)
+                                   isolate_after=MAX_FAILURES - 1, speculator=self.speculator)
         self.eos_token_ids = eos_token_ids(model)  # read when a request is built
+        if self.device.type == "cpu":
+            widen_linears(model)  # 16-bit weights at float32 speed where the CPU lacks 16-bit dot products
+        self.weights = describe_weights(model)
         if _compat.attention_implementation(model) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
         self._door = FrontDoor(seed)
         self.step_lock = threading.Lock()  # one step at a time; hold it to act between steps (stats, shutdown)
-        self.stats_log = StatsLog()
         self.request_table = RequestTable(self.scheduler, self.stats_log, self._door, tokenizer)
+        # SamplingParams.structured_outputs: compiled at add_request, on the caller's thread
+        self.grammars = None if tokenizer is None else GrammarCompilerCache(tokenizer, config.vocab_size,
+                                                                            self.eos_token_ids)
         self.step_runner = StepRunner(self.pool, self.scheduler, Sampler(config.vocab_size, self.device),
-                                      self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device)
+                                      self.stats_log, self.request_table, max_model_len=max_model_len, device=self.device,
+                                      speculator=self.speculator)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, device=None, tensor_parallel_size: int = 1,
-                        **engine_args) -> "LLMEngine":
+                        quantization: Optional[str] = None, **engine_args) -> "LLMEngine":
         """An engine on the model and tokenizer in the local folder ``path`` (``AutoModelForCausalLM``
         + ``AutoTokenizer``, nothing downloaded; see :func:`.loading.load_pretrained`). ``dtype``:
         None keeps the checkpoint's; ``device``: None is CUDA when there is one. ``engine_args`` are
         this constructor's (a ``tokenizer=`` given there replaces the folder's).
         ``tensor_parallel_size=N > 1``: the engine of rank 0 of N processes, each holding 1/N of the
         model and of the KV cache (``num_blocks`` and ``kv_cache_memory`` per rank; see
-        :func:`..distributed.start_engine`)."""
+        :func:`..distributed.start_engine`). ``quantization``: "int8" or "int4" weight-only (CPU; see
+        :mod:`..weight_quant`), not with tensor parallelism."""
+        check_quantization(quantization, tensor_parallel_size=tensor_parallel_size)
         if tensor_parallel_size != 1:
             from ..distributed import start_engine
 
             return start_engine(path, tensor_parallel_size, dtype=dtype, device=device, **engine_args)
         from .loading import load_pretrained
 
-        model, tokenizer = load_pretrained(path, dtype=dtype, device=device)
+        model, tokenizer = load_pretrained(path, dtype=dtype, device=device, quantization=quantization)
         engine_args.setdefault("tokenizer", tokenizer)
         return cls(model, **engine_args)
 
@@ -208,10 +229,13 @@ class LLMEngine(EngineParts):
     def stats(self, window_s: Optional[float] = None) -> dict:
         """The capacity report: queues, pool use, prefix-cache hit rate, preemptions, and latency
         percentiles (seconds) over the requests that ended in the last ``window_s`` seconds (None:
-        all), with finished, aborted and errored requests counted apart. Safe from any thread
+        all), with finished, aborted and errored requests counted apart; the weights' format and
+        bytes (``weight_format``, ``weight_bytes``). Safe from any thread
         (it waits for a running step to end)."""
         with self.step_lock:  # (EngineDeadError on a dead engine, from the door)
-            return self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s)
+            report = {**self.stats_log.report(self.pool, self.scheduler, self._door.num_queued_adds(), window_s),
+                      **self.weights}
+            return report if self.speculator is None else {**report, **self.speculator.report()}
 
     # ------------------------------------------------------------------ one iteration
 

@@ -36,11 +36,16 @@ def resolve_device(device) -> torch.device:
                          f"got {device!r}") from None
 
 
-def load_pretrained(path, *, dtype=None, device=None):
+def load_pretrained(path, *, dtype=None, device=None, quantization=None):
     """``(model, tokenizer)`` from the folder ``path``: ``AutoModelForCausalLM`` in eval mode on
     ``device`` in ``dtype`` (None: the checkpoint's dtype), and ``AutoTokenizer``, both with
     ``local_files_only=True``. Raises ValueError for a path that is not a model folder or a
-    tokenizer whose ids do not fit the model's vocabulary."""
+    tokenizer whose ids do not fit the model's vocabulary. ``quantization`` ("int8", "int4"):
+    its linear layers quantized (:func:`..weight_quant.quantize_weights`; ValueError naming it)."""
+    from ..weight_quant import check_quantization, quantize_weights
+
+    check_quantization(quantization, resolve_device(device))  # before the minutes a load can take
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not isinstance(path, (str, os.PathLike)):
@@ -55,6 +60,8 @@ def load_pretrained(path, *, dtype=None, device=None):
     device = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model = model.to(device).eval()
+    if quantization is not None:
+        quantize_weights(model, quantization)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:

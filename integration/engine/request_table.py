@@ -69,9 +69,15 @@ class RequestTable:
         if failed:
             self.end(req, "error")
 
-    def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        """Completion ``index`` of ``req``, holding ``token_ids`` (the prompt, or a parent's tokens)."""
+    def new_sequence(self, req: Request, index: int, token_ids: list[int], matcher=None) -> Sequence:
+        """Completion ``index`` of ``req``, holding ``token_ids`` (the prompt, or a parent's tokens);
+        ``matcher``: its grammar state (a parent's fork; None: a fresh one when the request has a
+        constraint)."""
         seq = _plain_sequence(req, index, token_ids)
+        if req.constraint is not None:
+            from .grammar_matcher import SequenceMatcher
+
+            seq.matcher = matcher if matcher is not None else SequenceMatcher(req.constraint)
         if req.params.logprobs is not None:
             seq.logprobs = []
         if self.tokenizer is not None:

@@ -1,8 +1,8 @@
 """What a step may change, saved before it runs, so that a failed step can be undone.
 
-A step changes its sequences (tokens, logprobs, text, finish), their requests (completions forked
-at the first sample, prompt logprobs, timestamps, failures in a row, the registry of unfinished
-requests) and the counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the
+A step changes its sequences (tokens, logprobs, text, grammar state, finish), their requests
+(completions forked at the first sample, prompt logprobs, timestamps, failures in a row, the
+registry of unfinished requests) and the counters. :meth:`StepSnapshot.restore` puts all of that back and requeues the
 step's sequences for recompute; the block manager forgets what the step wrote.
 """
 
@@ -83,6 +83,8 @@ class StepSnapshot:
             written = seq.num_computed if state is None else state.num_computed
             if state is not None and len(seq.token_ids) != state.num_tokens:
                 del seq.token_ids[state.num_tokens:]
+                if seq.matcher is not None:  # the grammar state goes back with the tokens
+                    seq.matcher.rollback(seq.matcher.num_tokens - len(seq.output_ids))
                 if seq.logprobs is not None:
                     del seq.logprobs[state.num_logprobs:]
                 if seq.detokenizer is not None:

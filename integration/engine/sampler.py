@@ -1,7 +1,8 @@
 """The batched sampler: one call per step turns every row's raw logits into its next token.
 
-Per row: the logits are processed (``logits_processing``: ``min_tokens`` masking, ``logit_bias``
-and the penalties on every row that needs them; temperature, ``min_p``, ``top_k`` and ``top_p`` on the rows
+Per row: tokens a structured-output constraint forbids are masked (``grammar_matcher``), then
+the logits are processed (``logits_processing``: ``min_tokens`` masking, ``logit_bias`` and the
+penalties on every row that needs them; temperature, ``min_p``, ``top_k`` and ``top_p`` on the rows
 that draw), then greedy rows take the argmax and the others draw (``seeded_draw``: a pure function
 of the row's seed and output position). This module assembles the batch: which rows need
 processing or a draw, one device-to-host transfer of the chosen tokens, the check that every row
@@ -17,6 +18,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .grammar_matcher import apply_grammar_masks
 from .logits_processing import add_logit_bias, apply_penalties, filter_for_draw, index_tensor, mask_stop_tokens
 from .logprobs import InvalidLogitsError, prompt_logprobs, top_logprobs
 from .sampling_params import SamplingParams
@@ -39,6 +41,7 @@ class SamplingRow(Protocol):
     output_ids: Sequence[int]  # generated so far, before this token
     seed: int  # the draw at output position p is a pure function of (seed, p)
     eos_token_ids: frozenset
+    matcher: object  # optional (a SequenceMatcher, or None): the row's structured-output constraint
 
 
 class Sampler:
@@ -66,6 +69,7 @@ class Sampler:
             return []
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = logits.index_select(0, self._index(wanted)).float().log_softmax(-1) if wanted else None
+        apply_grammar_masks(logits, rows)  # structured outputs: in place, before everything below
         processed = [i for i, row in enumerate(rows) if _needs_processing(row)]
         if len(processed) < len(rows):  # greedy rows as they are: the raw argmax (NaN, +inf show in the max)
             row_max, token_ids = logits.max(dim=-1)
@@ -86,7 +90,7 @@ class Sampler:
             bad = [i for i, flag in enumerate(invalid_list) if flag]
             raise InvalidLogitsError(
                 f"Sampler: rows {bad[:8]} of {len(rows)} have NaN or +inf logits or no token left to choose "
-                f"(every logit -inf after min_tokens masking); nothing was sampled")
+                f"(every logit -inf after the grammar mask and min_tokens masking); nothing was sampled")
         entries = {}
         if wanted:
             chosen_ids = token_ids.index_select(0, self._index(wanted))
@@ -104,6 +108,7 @@ class Sampler:
         argmax, the others draw from their softmax (-inf: filtered out). For inspection and tests."""
         rows = list(rows)
         x = self._cut(logits, len(rows), "logits").float().clone(memory_format=torch.contiguous_format)
+        apply_grammar_masks(x, rows)
         self._transform(x, rows)
         return x
 

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from .structured_outputs import StructuredOutputsParams
+
 __all__ = ["GREEDY_TEMPERATURE", "LOGIT_BIAS_RANGE", "MAX_LOGPROBS", "SamplingParams"]
 
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing by a subnormal overflows.
@@ -40,10 +42,16 @@ class SamplingParams:
     ``logit_bias``: ``{token id: bias in [-100, 100]}`` (or pairs), added to the raw logits before
     the penalties and the choice (OpenAI's rule); kept as sorted ``(token id, bias)`` pairs.
 
-    Log-probabilities are of the raw model distribution (before penalties, temperature and
-    filters): ``logprobs=k`` gives per output token the ``k`` most likely tokens and the chosen one;
-    ``prompt_logprobs=k`` per prompt token from the second on its own and the ``k`` most likely
-    (the engine caps ``k``: ``LLMEngine(max_logprobs=...)``).
+    ``structured_outputs``: a :class:`~.structured_outputs.StructuredOutputsParams` (a JSON schema,
+    JSON mode, a regex, a choice or a grammar) that every output obeys: tokens the constraint does
+    not allow are masked before penalties, temperature and filters, and a completed constraint ends
+    the completion with finish_reason "stop" (``max_tokens`` still cuts it: "length"). Needs the
+    engine's tokenizer; a constraint that does not compile is refused at ``add_request``.
+
+    Log-probabilities are of the raw model distribution (before the constraint's mask, penalties,
+    logit_bias, temperature and filters): ``logprobs=k`` gives per output token the ``k`` most likely
+    tokens and the chosen one; ``prompt_logprobs=k`` per prompt token from the second on its own and
+    the ``k`` most likely (the engine caps ``k``: ``LLMEngine(max_logprobs=...)``).
     """
 
     n: int = 1
@@ -65,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: object = ()
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         _int("n", self.n, 1, None)
@@ -93,6 +102,9 @@ class SamplingParams:
         _number("min_p", self.min_p, 0, 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams: structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ from typing import Callable
 
 from ..kv_pool import KVPool
 from ..planner import ScheduledChunk
+from .speculative.speculator import Speculator
 from .sequence import Sequence, Status
 
 __all__ = ["Scheduler", "POLICIES", "PREEMPTION_MODES"]
@@ -33,8 +34,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 class Scheduler:
     def __init__(self, pool: KVPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str, policy: str, isolate_after: int):
+                 preemption_mode: str, policy: str, isolate_after: int, speculator: Speculator | None = None):
         self.pool = pool
+        self.speculator = speculator  # None: no speculative decoding
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -77,6 +79,7 @@ class Scheduler:
         by_importance = sorted(self.running, key=self.key)
         decodes = [s for s in by_importance if s.num_uncomputed == 1]
         prefills = [s for s in by_importance if s.num_uncomputed > 1]
+        speculate = self.speculator is not None and self.speculator.begin_step(len(decodes))
         for seq in decodes + prefills:
             if seq.status != Status.RUNNING or budget == 0:
                 continue
@@ -90,7 +93,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
-                budget -= self._reserve(seq, n, scheduled)
+                proposals = self._proposals(seq, budget) if speculate and n == 1 == seq.num_uncomputed else []
+                budget -= self._reserve(seq, n, scheduled, proposals)
                 done.add(seq.seq_id)
         if self.num_preemptions == preemptions_before:  # the pool is short: bring nothing in
             budget = self._swap_in(budget, scheduled)
@@ -152,10 +156,30 @@ class Scheduler:
         """Running sequences, counting a request that will fork at its first sample as all of them."""
         return sum(_width(seq.request) for seq in self.running)
 
-    def _reserve(self, seq: Sequence, n: int, scheduled: list) -> int:
+    def _proposals(self, seq: Sequence, budget: int) -> list[int]:
+        """A decoding sequence's speculative proposals that fit the step's token budget and leave
+        the pool room for every running sequence's next token (speculation never preempts)."""
+        if not seq.output_ids or (seq.params.n > 1 and not seq.request.forked):
+            return []  # its first token is sampled with the prompt (and forks n > 1 there)
+        proposals = self.speculator.propose(seq, budget - 1)
+        if not proposals:
+            return []
+        bm = self.pool.block_manager
+        room = bm.num_free_blocks - self._next_step_reserve()
+        base = bm.blocks_needed_to_append([(seq.seq_id, 1)])  # counted in the reserve already
+        fits = _largest(len(proposals), lambda m: bm.blocks_needed_to_append([(seq.seq_id, 1 + m)]) - base, room)
+        return proposals[:fits]
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: list, proposals: list[int] = ()) -> int:
         bm = self.pool.block_manager
         start = seq.num_computed
         new = seq.token_ids[start:start + n]
+        if proposals:  # a verify chunk: the last token, then the proposals, taken back unless kept
+            bm.append_token(seq.seq_id, new[0])
+            bm.append_tokens(seq.seq_id, proposals, provisional=True)
+            scheduled.append((seq, ScheduledChunk(seq.seq_id, new + list(proposals), start, all_logits=True,
+                                                  num_proposals=len(proposals))))
+            return n + len(proposals)
         if n == 1:
             bm.append_token(seq.seq_id, new[0])
         else:

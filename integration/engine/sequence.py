@@ -34,6 +34,7 @@ class Request:
     forked: bool = False  # n > 1: the completions exist once the prompt's first token is sampled
     failures: int = 0  # steps in a row that failed with this request in them
     prompt_logprobs: Optional[list] = None
+    constraint: Optional[object] = None  # a CompiledConstraint (SamplingParams.structured_outputs)
 
     def output(self) -> RequestOutput:
         outs = [seq.output() for seq in self.seqs]
@@ -59,6 +60,7 @@ class Sequence:
     logprobs: Optional[list] = None
     detokenizer: Optional[object] = None  # an IncrementalDetokenizer, with an engine tokenizer
     swapped_kv: Optional[SwappedKV] = None
+    matcher: Optional[object] = None  # a SequenceMatcher: the constraint's state after output_ids
 
     # the sampler's view (SamplingRow)
     @property

@@ -22,6 +22,7 @@ from .front_door import EngineDeadError
 from .request_table import RequestTable
 from .rollback import StepSnapshot
 from .sequence import Request, Sequence, Status
+from .speculative.speculator import Speculator, num_accepted, verify_rows
 from .stats import StatsLog
 
 __all__ = ["MAX_FAILURES", "StepRunner"]
@@ -32,11 +33,12 @@ MAX_FAILURES = 3
 
 class StepRunner:
     """Executes the steps the scheduler reserves. ``max_model_len``: a sequence this long
-    finishes with finish_reason "length"; ``sampler`` may be replaced (to record or fail)."""
+    finishes with finish_reason "length"; ``sampler`` may be replaced (to record or fail);
+    ``speculator``: counts what verify chunks (speculative proposals) kept."""
 
     def __init__(self, pool, scheduler, sampler, stats_log: StatsLog, request_table: RequestTable, *,
-                 max_model_len: int, device):
-        self.pool, self.scheduler, self.sampler = pool, scheduler, sampler
+                 max_model_len: int, device, speculator: Speculator | None = None):
+        self.pool, self.scheduler, self.sampler, self.speculator = pool, scheduler, sampler, speculator
         self.stats_log, self.request_table = stats_log, request_table
         self.max_model_len, self.device = max_model_len, device
 
@@ -80,11 +82,18 @@ class StepRunner:
         c["steps"] += 1
         for seq, chunk in scheduled:
             seq.num_computed += len(chunk.token_ids)
-            decode = len(chunk.token_ids) == 1 and seq.output_ids
+            decode = (len(chunk.token_ids) == 1 or chunk.num_proposals) and seq.output_ids
             c["decode_tokens_computed" if decode else "prefill_tokens_computed"] += len(chunk.token_ids)
         rows, seqs = [], []
+        verified = []  # (sequence, verify chunk, index of its first row among seqs)
+        first_rows = {i: first for i, first, _ in meta.all_logits_rows}
         for row, i in zip(meta.sample_rows, meta.sampled):
-            seq = scheduled[i][0]
+            seq, chunk = scheduled[i]
+            if chunk.num_proposals:  # a row per position: each drawn as if the proposals before it were kept
+                verified.append((seq, chunk, len(seqs)))
+                rows.extend(range(first_rows[i], first_rows[i] + len(chunk.token_ids)))
+                seqs.extend(verify_rows(seq, chunk.token_ids[1:]))
+                continue
             if not seq.request.forked and seq.params.n > 1:
                 self.fork(seq)
             # the prompt's first sample is drawn for every completion of the request
@@ -98,22 +107,46 @@ class StepRunner:
         self.record_prompt_logprobs(meta, scheduled, logits)
         now = time.perf_counter()  # after the sampler's device sync
         changed: dict[str, Request] = {}
-        for seq, token in zip(seqs, sampled):
-            req = seq.request
-            changed[req.request_id] = req
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                c["prompt_tokens"] += len(req.prompt_token_ids)
-            c["generation_tokens"] += 1
-            self.accept(seq, token)
+        verify_positions = {first + j for _, chunk, first in verified for j in range(len(chunk.token_ids))}
+        for j, (seq, token) in enumerate(zip(seqs, sampled)):
+            if j not in verify_positions:
+                self._emit(seq, token, now, changed)
+        for seq, chunk, first in verified:
+            self._emit_verified(seq, chunk, sampled[first:first + len(chunk.token_ids)], now, changed)
         for req in changed.values():
             if all(s.status == Status.FINISHED for s in req.seqs):
                 self.request_table.complete(req, now)
         return list(changed.values())
 
+    def _emit(self, seq: Sequence, token, now: float, changed: dict) -> None:
+        req = seq.request
+        changed[req.request_id] = req
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            self.stats_log.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        self.stats_log.counters["generation_tokens"] += 1
+        self.accept(seq, token)
+
+    def _emit_verified(self, seq: Sequence, chunk, tokens: list, now: float, changed: dict) -> None:
+        """A verify chunk: the proposals the drawn tokens agree with, then the first drawn token
+        that differs (or follows them all), one by one until one ends the sequence; the cache is
+        cut back to the tokens kept (their K/V were written by this step)."""
+        proposals = chunk.token_ids[1:]
+        kept = num_accepted([t.token_id for t in tokens], proposals)
+        self.speculator.record(len(proposals), kept)
+        for token in tokens[:kept + 1]:
+            if seq.status != Status.RUNNING:
+                break  # an earlier token ended it (stop, max_tokens): nothing past it is emitted
+            self._emit(seq, token, now, changed)
+        if seq.status == Status.RUNNING:
+            seq.num_computed = chunk.start + 1 + kept
+            self.pool.block_manager.truncate(seq.seq_id, seq.num_computed)
+
     def record_prompt_logprobs(self, meta: StepMetadata, scheduled: list, logits: torch.Tensor) -> None:
         for i, first, count in meta.all_logits_rows:
             seq, chunk = scheduled[i]
+            if chunk.num_proposals:
+                continue  # a verify chunk's rows are drawn from, not prompt logprobs
             have, prompt = seq.request.prompt_logprobs, seq.prompt_token_ids
             # row j is position chunk.start + j; its logits give the logprob of the next prompt token
             lo = len(have) - 1 - chunk.start
@@ -127,6 +160,8 @@ class StepRunner:
         """Append a sampled token to ``seq`` and finish it if the token ends it."""
         params, token = seq.params, sampled.token_id
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.advance([token])
         if seq.logprobs is not None:
             seq.logprobs.append(sampled.logprobs)
         stop_str = seq.detokenizer.push(token) if seq.detokenizer is not None else None
@@ -139,6 +174,8 @@ class StepRunner:
         elif stop_str is not None:
             seq.stop_reason = stop_str
             finish(seq, "stop")
+        elif seq.matcher is not None and seq.matcher.is_terminated:  # the constraint is complete
+            finish(seq, "stop")
         elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             finish(seq, "length")
 
@@ -147,7 +184,8 @@ class StepRunner:
         req = parent.request
         req.forked = True
         for i in range(1, req.params.n):
-            child = self.request_table.new_sequence(req, i, list(parent.token_ids))
+            matcher = None if parent.matcher is None else parent.matcher.fork()
+            child = self.request_table.new_sequence(req, i, list(parent.token_ids), matcher)
             child.num_computed = parent.num_computed
             child.status = Status.RUNNING
             self.pool.block_manager.fork(parent.seq_id, child.seq_id)

@@ -20,11 +20,21 @@ from .serving import Serving
 from .shutdown import InFlight
 
 
-def build_app(engine, served_model_name: str, *, model_path: Optional[str] = None, api_key: Optional[str] = None,
-              chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(engine, served_model_name: str, *, model_path: Optional[str] = None,
+              enable_auto_tool_choice: bool = True, structured_outputs_config: Optional[dict] = None,
+              api_key: Optional[str] = None, chat_template: Optional[str] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The server's app on ``engine`` (an AsyncLLMEngine whose LLMEngine has a tokenizer).
     ``api_key``: what the guarded routes need as ``Authorization: Bearer``; ``chat_template``: a
-    Jinja template that replaces the tokenizer's; ``max_body_bytes``: larger bodies get 413."""
+    Jinja template that replaces the tokenizer's; ``max_body_bytes``: larger bodies get 413.
+    ``enable_auto_tool_choice``: tool_choice "auto" parses the model's Hermes-style tool calls
+    (else it is refused, as vLLM does without --enable-auto-tool-choice). ``structured_outputs_config``:
+    vLLM's server-wide options, ``{"disable_any_whitespace": bool}`` (JSON constraints without
+    whitespace between tokens unless a request's structured_outputs says otherwise)."""
+    config = dict(structured_outputs_config or {})
+    unknown = sorted(set(config) - {"disable_any_whitespace"})
+    if unknown or not isinstance(config.get("disable_any_whitespace", False), bool):
+        raise ValueError(f"build_app: structured_outputs_config takes {{'disable_any_whitespace': bool}}, got {config}")
     from minipaged_ops import __version__
 
     if engine.tokenizer is None:
@@ -33,7 +43,9 @@ def build_app(engine, served_model_name: str, *, model_path: Optional[str] = Non
     serving = Serving(engine, served_model_name, max_model_len=llm.max_model_len,
                       vocab_size=llm.model.get_input_embeddings().num_embeddings,
                       default_sampling=_generation_defaults(llm.model), model_path=model_path,
-                      max_logprobs=llm.max_logprobs, chat_template=chat_template)
+                      max_logprobs=llm.max_logprobs, chat_template=chat_template,
+                      auto_tool_choice=enable_auto_tool_choice,
+                      disable_any_whitespace=config.get("disable_any_whitespace", False))
     metrics = ServerMetrics(served_model_name)
     engine.add_stat_logger(metrics)
     app = FastAPI(title="minipaged", version=__version__)

@@ -35,6 +35,13 @@ FROM_STATS = {
     "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions", "counter", "Preemptions of running sequences."),
+    "weight_bytes": ("weight_bytes", "gauge", "Bytes of the model's parameters and buffers (its weights as held)."),
+}
+# with speculative decoding on (the keys are in engine.stats() only then)
+SPEC_DECODE_STATS = {
+    "spec_decode_num_drafts": "Verified chunks of speculative proposals.",
+    "spec_decode_num_draft_tokens": "Speculative tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Speculative tokens accepted.",
 }
 
 
@@ -118,8 +125,10 @@ class _FromStats:
                                                                                        labels=["model_name"])
             family.add_metric([self.metrics.model_name], self.metrics.stats.get(key, 0))
             yield family
-        # vLLM's cache_config_info: the KV cache's format and size as labels of a constant 1
         stats = self.metrics.stats
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec_decode(stats)
+        # vLLM's cache_config_info: the KV cache's format and size as labels of a constant 1
         if "kv_cache_dtype" in stats:
             labels = {"cache_dtype": stats["kv_cache_dtype"], "num_blocks": str(stats["blocks_total"]),
                       "kv_bytes_per_block": str(stats["kv_bytes_per_block"])}
@@ -127,3 +136,21 @@ class _FromStats:
                                        labels=["model_name", *labels])
             family.add_metric([self.metrics.model_name, *labels.values()], 1)
             yield family
+        if "weight_format" in stats:  # the weights' format likewise (e.g. "int8", "bfloat16 (float32 arithmetic)")
+            family = GaugeMetricFamily(PREFIX + "weight_format_info", "The format of the model's linear layers.",
+                                       labels=["model_name", "weight_format"])
+            family.add_metric([self.metrics.model_name, stats["weight_format"]], 1)
+            yield family
+
+    def _spec_decode(self, stats: dict):
+        model = self.metrics.model_name
+        for key, doc in SPEC_DECODE_STATS.items():
+            family = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])
+            family.add_metric([model], stats[key])
+            yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative tokens accepted, by position in the proposal.",
+                                     labels=["model_name", "position"])
+        for pos, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([model, str(pos)], count)
+        yield family

@@ -53,8 +53,9 @@ class Output:
 class Formatter:
     """Builds one request's bodies, given its prompts (token ids) and, to echo, their texts."""
 
-    def __init__(self, serving, request_id: str, shape: Shape, prompts: list, prompt_texts=None):
+    def __init__(self, serving, request_id: str, shape: Shape, prompts: list, prompt_texts=None, tools=None):
         self.serving, self.id, self.shape = serving, request_id, shape
+        self.tools = tools  # a chat request's ToolReplies (None: no tools): content and tool_calls
         self.prompts, self.prompt_texts = prompts, prompt_texts
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> the engine's prompt log-probs
         self.created = int(time.time())
@@ -112,12 +113,15 @@ class Formatter:
         body["choices"] = []
         for c in sorted(choices, key=lambda c: c.index):
             choice = {"index": c.index}
-            if self.shape.chat:
+            finish_reason = c.finish_reason
+            if self.shape.chat and self.tools is not None:
+                choice["message"], finish_reason = self.tools.message(c.text, c.finish_reason)
+            elif self.shape.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
             choice["logprobs"] = self.format_logprobs(c.logprobs)
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = finish_reason
             choice["stop_reason"] = c.stop_reason
             if not self.shape.chat and self.shape.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c.index // self.shape.n)
@@ -137,14 +141,18 @@ class Formatter:
         body = self._head("chat.completion.chunk" if self.shape.chat else "text_completion")
         choice = {"index": index}
         text = None if out is None else out.text
-        if self.shape.chat:
+        finish_reason = None if out is None else out.finish_reason
+        if self.shape.chat and self.tools is not None and out is not None:
+            choice["delta"], finish_reason = self.tools.delta(index, text if text or not finish_reason else None,
+                                                              finish_reason)
+        elif self.shape.chat:
             role = out is None
             choice["delta"] = {"role": "assistant", "content": ""} if role else (
                 {} if not text and out.finish_reason else {"content": text})
         else:
             choice["text"] = text or ""
         choice["logprobs"] = None if out is None else self.format_logprobs(out.entries, text_start)
-        choice["finish_reason"] = None if out is None else out.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = None if out is None else out.stop_reason
         body["choices"] = [choice]
         if self.shape.include_usage:

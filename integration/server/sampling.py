@@ -38,7 +38,8 @@ def logit_bias(serving, request: SamplingFields) -> tuple:
 
 
 def sampling_params(serving, request: SamplingFields, prompt_len: int, *, max_tokens: Optional[int],
-                    logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                    logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None,
+                    plan=None) -> SamplingParams:
     """``max_tokens`` None: up to the context's end; caps and ranges checked by the caller."""
     if request.stream and request.prompt_logprobs is not None:
         raise RequestError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
@@ -59,6 +60,8 @@ def sampling_params(serving, request: SamplingFields, prompt_len: int, *, max_to
         kwargs["logprobs"] = logprobs
     if prompt_logprobs is not None:
         kwargs["prompt_logprobs"] = prompt_logprobs
+    if plan is not None and plan.constraint is not None:  # (.output_plan: response_format, tools, ...)
+        kwargs["structured_outputs"] = plan.constraint
     bias = logit_bias(serving, request)
     if bias:
         kwargs["logit_bias"] = bias

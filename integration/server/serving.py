@@ -14,7 +14,8 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from ..engine import SamplingParams
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, message_dicts
+from .output_plan import OutputPlan, plan_outputs
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields, message_dicts
 
 
 class Serving:
@@ -22,8 +23,11 @@ class Serving:
 
     def __init__(self, engine, served_model_name: str, *, max_model_len: int, vocab_size: int,
                  default_sampling: Optional[dict] = None, model_path: Optional[str] = None, max_logprobs: int = 20,
-                 chat_template: Optional[str] = None):
+                 chat_template: Optional[str] = None, auto_tool_choice: bool = True,
+                 disable_any_whitespace: bool = False):
         self.engine = engine
+        self.auto_tool_choice = auto_tool_choice  # tool_choice "auto": the model's own calls are parsed
+        self.disable_any_whitespace = disable_any_whitespace  # JSON constraints' default
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -73,11 +77,13 @@ class Serving:
             texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
         return prompts, texts
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, request: ChatCompletionRequest, tools: Optional[list] = None) -> list[int]:
         if not request.messages:
             raise RequestError("messages must not be empty", "messages")
-        ids = self.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt,
-                                       request.chat_template_kwargs or {})
+        kwargs = dict(request.chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        ids = self.apply_chat_template(message_dicts(request.messages), request.add_generation_prompt, kwargs)
         self._check_length(len(ids), "messages")
         return ids
 
@@ -101,6 +107,23 @@ class Serving:
                                f"{n} tokens, leaving no room for a completion.", param, code="context_length_exceeded")
 
     # ------------------------------------------------------------------ running
+
+    def output_plan(self, request: SamplingFields) -> OutputPlan:
+        """The request's constraint and tool plan (``output_plan``); RequestError naming the field."""
+        names = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")
+        return plan_outputs({name: getattr(request, name, None) for name in names},
+                            auto_tool_choice=self.auto_tool_choice, disable_any_whitespace=self.disable_any_whitespace)
+
+    async def compile_constraint(self, plan: OutputPlan) -> None:
+        """Compile the plan's constraint now, on a worker thread (the engine finds it cached), so
+        that one that does not compile is refused naming its field."""
+        grammars = self.engine.engine.grammars
+        if plan.constraint is None or grammars is None:
+            return
+        try:
+            await asyncio.to_thread(grammars.compile, plan.constraint)
+        except ValueError as e:
+            raise RequestError(f"{plan.source}: {e}", plan.source) from None
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (for logprobs), cached."""

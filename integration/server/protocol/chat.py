@@ -27,6 +27,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

@@ -71,3 +71,6 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)
     return_tokens_as_token_ids: bool = False
+    # the output's shape (see server/output_plan.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None

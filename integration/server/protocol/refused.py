@@ -21,18 +21,12 @@ CHAT_FIELDS = {
     "reasoning_effort": _NULL,
     "verbosity": _NULL,
     "web_search_options": _NULL,
-    # issue 41 (structured outputs and tool calling) implements these; until then, refused
-    "response_format": _NULL,
-    "tools": _NULL,
-    "tool_choice": _NULL,
-    "parallel_tool_calls": _NULL,
-    "structured_outputs": _NULL,
 }
 # vLLM's extras this server lacks (on either endpoint): named, so that the refusal says why
 VLLM_FIELDS = {name: _NULL for name in (
     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "logits_processors", "prompt_embeds", "continue_final_message",
+    "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "continue_final_message",
     "chat_template", "documents", "mm_processor_kwargs", "spaces_between_special_tokens")}
 
 

@@ -25,6 +25,7 @@ async def completions(request: CompletionRequest, raw: Request):
         raise RequestError(f"best_of other than n is not supported (best_of={request.best_of}, n={request.n}): "
                            "every completion made is returned", "best_of")
     check_logprobs(serving, request.logprobs, "logprobs")
+    plan = serving.output_plan(request)
     prompts, texts = serving.completion_prompts(request)
     max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
     if max_tokens < (0 if request.echo else 1):
@@ -34,7 +35,8 @@ async def completions(request: CompletionRequest, raw: Request):
     echo_logprobs = request.logprobs if request.echo else None
     asked = [k for k in (echo_logprobs, request.prompt_logprobs) if k is not None]
     params = sampling_params(serving, request, max(map(len, prompts)), max_tokens=max(max_tokens, 1),
-                             logprobs=request.logprobs, prompt_logprobs=max(asked) if asked else None)
+                             logprobs=request.logprobs, prompt_logprobs=max(asked) if asked else None, plan=plan)
+    await serving.compile_constraint(plan)
     shape = shape_of(request, chat=False, n=params.n, logprobs=request.logprobs, echo=request.echo,
                      drop_output=drop_output)
     return await respond(raw, Formatter(serving, new_id("cmpl"), shape, prompts, texts), params, request)

@@ -1,0 +1,89 @@
+"""One linear layer on the CPU, every way minipaged could run it, timed in alternation (best of
+--repeats rounds), GFLOP/s: the shapes of bench/serve_http.py's model (Qwen3-0.6B: hidden 1024,
+MLP 3072, vocabulary 151936), at decode and prefill row counts.
+
+    python bench/linear_cpu.py                       # 2 threads
+    python bench/linear_cpu.py --rows 1,32,256 --shapes 1024x3072,3072x1024
+
+Ways: float32 ``F.linear``; torch's bfloat16 ``F.linear`` (oneDNN where the CPU has AVX512-BF16/AMX,
+a generic loop elsewhere); the bfloat16 weight widened to float32 whole on every call; minipaged's
+``linear_widened`` (widened a block of rows at a time into the float32 GEMM); int8 per channel
+through torchao's own linear (``Int8WeightOnlyConfig``) and through ATen's ``_weight_int8pack_mm``
+(minipaged's ``Int8Linear``); int4 groups of 128 through ATen's ``_weight_int4pack_mm_for_cpu``
+(torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except for float32 F.linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import minipaged_ops  # noqa: E402
+from common import machine_name  # noqa: E402
+
+
+def ways(k: int, n: int) -> dict:
+    """name -> (layer taking the input, input dtype)."""
+    from minipaged_ops.integration.weight_quant import Int4Linear, Int8Linear
+
+    torch.manual_seed(0)
+    lin32 = torch.nn.Linear(k, n, bias=False)
+    lin16 = copy.deepcopy(lin32).bfloat16()
+    w16 = lin16.weight.detach()
+    out = {
+        "float32": (lin32, torch.float32),
+        "bf16 torch": (lin16, torch.bfloat16),
+        "bf16 widen whole": (lambda x: F.linear(x.float(), w16.float()).bfloat16(), torch.bfloat16),
+        "bf16 linear_widened": (lambda x: minipaged_ops.linear_widened(x, w16), torch.bfloat16),
+        "int8 ATen": (Int8Linear.from_linear(lin16), torch.bfloat16),
+        "int4 ATen": (Int4Linear.from_linear(lin16, 128), torch.bfloat16),
+    }
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        ao = copy.deepcopy(lin16)
+        quantize_(ao, Int8WeightOnlyConfig())
+        out["int8 torchao"] = (ao, torch.bfloat16)
+    except ImportError:
+        pass
+    return out
+
+
+@torch.inference_mode()
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,32,256")
+    p.add_argument("--shapes", default="1024x3072,3072x1024,1024x151936", help="in x out features")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{machine_name()}, torch threads {args.threads}, cpu_isa {minipaged_ops.cpu_isa()}, "
+          f"torch {torch.backends.cpu.get_cpu_capability()}")
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        layers = ways(k, n)
+        for rows in map(int, args.rows.split(",")):
+            inputs = {dt: torch.randn(rows, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
+            best = dict.fromkeys(layers, float("inf"))
+            for name, (layer, dt) in layers.items():
+                layer(inputs[dt])  # warm
+            for _ in range(args.repeats):
+                for name, (layer, dt) in layers.items():
+                    start = time.perf_counter()
+                    layer(inputs[dt])
+                    best[name] = min(best[name], time.perf_counter() - start)
+            flop = 2 * rows * k * n / 1e9
+            print(f"{k}x{n} rows {rows:>4}: " + "  ".join(f"{name} {flop / t:6.1f}" for name, t in best.items())
+                  + "  GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Per-sequence grammar matchers and the sampler's hook that masks a batch's logits with them.
+
+:class:`SequenceMatcher` is the whole API a sequence's constraint has (for the engine and for
+anything that proposes and takes back tokens, such as speculative decoding):
+
+- ``advance(token_ids)``: accept tokens in order (ValueError, naming the token, on one the
+  grammar does not allow; the tokens before it stay accepted);
+- ``rollback(n)``: take back the last ``n`` accepted tokens (any number: no rollback limit);
+- ``fork()``: an independent copy in the same state (``n > 1``: one per completion);
+- ``fill_bitmask(bitmask, row)``: write row ``row`` of an int32 token bitmask
+  ([rows, ceil(vocab / 32)], token t allowed iff bit t % 32 of word t // 32 is set);
+- ``is_terminated``: the grammar is complete and its stop token (EOS) was accepted;
+- ``num_tokens``: how many tokens it has accepted; the engine keeps it equal to the length of
+  the sequence's output, which :func:`apply_grammar_masks` checks every step.
+
+:func:`apply_grammar_masks` is the sampler's hook: one bitmask row per constrained row, filled
+(in one batched call when there are several) and applied to the logits in one call, before
+penalties, temperature and filters. Rows without a matcher are not touched, and a batch without
+any costs one scan of its rows. Log-probabilities are taken before the mask (the raw model
+distribution).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .strict_json import OUTSIDE
+from .structured_outputs import CompiledConstraint
+
+__all__ = ["SequenceMatcher", "apply_grammar_masks"]
+
+_FILL_THREADS = min(4, os.cpu_count() or 1)
+_batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
+
+
+class SequenceMatcher:
+    """The grammar state of one sequence (an xgrammar ``GrammarMatcher``), see the module docstring."""
+
+    def __init__(self, constraint: CompiledConstraint, *, _matcher=None, _json_states=None):
+        import xgrammar
+
+        self.constraint = constraint
+        self._matcher = _matcher if _matcher is not None else xgrammar.GrammarMatcher(constraint.compiled)
+        # strict JSON: the lexer state before the first token and after each accepted one
+        self._json_states = [OUTSIDE] if _json_states is None else _json_states
+        self._num_tokens = len(self._json_states) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            if not self._matcher.accept_token(int(token)):
+                raise ValueError(f"SequenceMatcher: token {token} is not allowed by the grammar after "
+                                 f"{self._num_tokens} accepted tokens")
+            strict = self.constraint.strict_json
+            self._json_states.append(OUTSIDE if strict is None else strict.advance(self._json_states[-1], int(token)))
+            self._num_tokens += 1
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self._num_tokens:
+            raise ValueError(f"SequenceMatcher: cannot roll back {n} tokens of {self._num_tokens} accepted")
+        if n:
+            self._matcher.rollback(n)
+            del self._json_states[len(self._json_states) - n:]
+            self._num_tokens -= n
+
+    def fork(self) -> "SequenceMatcher":
+        return SequenceMatcher(self.constraint, _matcher=self._matcher.fork(), _json_states=list(self._json_states))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._restrict(bitmask, row)
+
+    def _restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """Strict JSON: off, the tokens that would put a control byte where JSON forbids one."""
+        strict = self.constraint.strict_json
+        if strict is not None:
+            bitmask[row].bitwise_and_(strict.rows[self._json_states[-1]])
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: Sequence, vocab_size: Optional[int] = None) -> None:
+    """Mask ``logits`` ([len(rows), vocab], in place) by each row's ``matcher`` (None: no
+    constraint). Raises RuntimeError when a matcher has not accepted exactly the row's output."""
+    constrained = [i for i, row in enumerate(rows) if getattr(row, "matcher", None) is not None]
+    if not constrained:
+        return
+    matchers = [rows[i].matcher for i in constrained]
+    for i, m in zip(constrained, matchers):
+        if m.num_tokens != len(rows[i].output_ids):
+            raise RuntimeError(f"grammar matcher out of step: it accepted {m.num_tokens} tokens, the sequence "
+                               f"has {len(rows[i].output_ids)} output tokens")
+    vocab_size = logits.shape[1] if vocab_size is None else vocab_size
+    bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32)
+    if len(matchers) == 1:
+        matchers[0].fill_bitmask(bitmask, constrained[0])
+    else:
+        _filler().batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, constrained)
+        for i, m in zip(constrained, matchers):
+            m._restrict(bitmask, i)
+    import xgrammar
+
+    if logits.device.type == "cpu":
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=constrained)
+    else:
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                             vocab_size=vocab_size, indices=constrained, backend="torch_native")
+
+
+def _filler():
+    global _batch_filler
+    if _batch_filler is None:
+        import xgrammar
+
+        _batch_filler = xgrammar.BatchGrammarMatcher(_FILL_THREADS)
+    return _batch_filler

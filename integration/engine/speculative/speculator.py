@@ -1,0 +1,92 @@
+"""What the engine asks of speculation each step: whether to speculate at all, what a decoding
+sequence proposes, and the counters (vLLM's ``spec_decode_*``).
+
+Speculation switches itself off where it does not pay, and says why (``stats()``):
+
+* a step with more than ``MAX_DECODES`` decoding sequences: the forward is no longer bound by
+  reading the weights once, so every verified token costs about as much as a decoded one;
+* a measured acceptance below ``MIN_ACCEPTANCE`` accepted tokens per proposed token (an
+  exponential average): rejected proposals cost verify work and give nothing. It is measured
+  again every ``PROBE_EVERY`` steps, since a workload may change.
+
+Turning it off changes no token: a verified chunk emits exactly what decoding one token at a
+time emits for the same seed (``acceptance``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from .acceptance import num_accepted, verify_rows
+from .config import SpeculativeConfig
+from .ngram import NgramProposer
+
+__all__ = ["Speculator", "num_accepted", "verify_rows"]
+
+MAX_DECODES = 8
+MIN_ACCEPTANCE = 0.25
+PROBE_EVERY = 32
+_SMOOTHING = 0.1  # weight of the newest step in the acceptance average
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, counters: Counter, max_model_len: int):
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.counters = counters  # the engine's step counters (a failed step's are put back)
+        self.max_model_len = max_model_len
+        self.acceptance: Optional[float] = None  # accepted per proposed token, averaged
+        self.off_reason: Optional[str] = None
+        self._steps = 0
+
+    def begin_step(self, num_decodes: int) -> bool:
+        """Whether this step speculates (see the module for when it does not)."""
+        self._steps += 1
+        if num_decodes > MAX_DECODES:
+            self.off_reason = f"{num_decodes} decoding sequences > {MAX_DECODES}: the step is compute-bound"
+        elif self.acceptance is not None and self.acceptance < MIN_ACCEPTANCE and self._steps % PROBE_EVERY:
+            self.off_reason = (f"acceptance {self.acceptance:.2f} < {MIN_ACCEPTANCE} accepted per proposed token "
+                               f"(measured again every {PROBE_EVERY} steps)")
+        else:
+            self.off_reason = None
+        return self.off_reason is None
+
+    def propose(self, seq, limit: int) -> list[int]:
+        """Proposals to follow a decoding sequence's last token: at most ``limit``, never past its
+        ``max_tokens`` or the engine's ``max_model_len``. A sequence with structured outputs
+        proposes nothing: its grammar matcher would have to be advanced through each proposal for
+        the masks of the positions after it and rolled back past the rejected ones (not built), so
+        it decodes one token at a time under its constraint."""
+        if seq.matcher is not None:
+            return []
+        room = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1,
+                   self.max_model_len - len(seq.token_ids) - 1)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """One verified chunk's outcome."""
+        c = self.counters
+        c["spec_decode_num_drafts"] += 1
+        c["spec_decode_num_draft_tokens"] += proposed
+        c["spec_decode_num_accepted_tokens"] += accepted
+        for pos in range(accepted):
+            c[f"spec_decode_num_accepted_tokens_per_pos_{pos}"] += 1
+        rate = accepted / proposed
+        self.acceptance = rate if self.acceptance is None else (1 - _SMOOTHING) * self.acceptance + _SMOOTHING * rate
+
+    def report(self) -> dict:
+        """The ``spec_decode_*`` entries of ``stats()``."""
+        c, k = self.counters, self.config.num_speculative_tokens
+        drafts = c["spec_decode_num_drafts"]
+        return {
+            "spec_decode_method": self.config.method,
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": c["spec_decode_num_draft_tokens"],
+            "spec_decode_num_accepted_tokens": c["spec_decode_num_accepted_tokens"],
+            "spec_decode_num_accepted_tokens_per_pos": [c[f"spec_decode_num_accepted_tokens_per_pos_{i}"]
+                                                        for i in range(k)],
+            # vLLM's mean acceptance length: tokens a verified chunk emits (the accepted + 1)
+            "spec_decode_mean_acceptance_length": 1 + c["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            "spec_decode_off_reason": self.off_reason,
+        }

@@ -1,0 +1,167 @@
+"""Weight-only quantization of a model's linear layers: ``quantization="int8"`` (a scale per output
+channel) or ``"int4"`` (asymmetric, a scale and zero point per group of 128 input columns, or 64 or
+32 where 128 does not divide a layer's width), quantized from the weights rounded to bfloat16; the
+layers take and return the model's dtype.
+
+torchao (the PyTorch quantization library) computes the quantized values and scales
+(``Int8Tensor.from_hp`` per row; int4 as its CPU workflow, ``Int4OpaqueTensor.from_hp`` with HQQ's
+fitted scales and zero points, packs them). The layers then call ATen's weight-only kernels directly, which read the 8- or 4-bit weight
+and compute in float32 registers on AVX2 and AVX-512 alike: ``_weight_int8pack_mm`` and
+``_weight_int4pack_mm_for_cpu``. torchao's own int8 linear would widen the whole weight to the
+activations' dtype on every call and multiply in bfloat16, the slow path this CPU lacks the
+instructions for (bench/RESULTS.md). CPU only; the lm_head is quantized too (as llama.cpp's Q8_0 /
+Q4_0 files do); a tied input embedding keeps its 16-bit rows for the lookups.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .linear16 import WidenedLinear, widens
+
+__all__ = ["Int4Linear", "Int8Linear", "QUANTIZATIONS", "check_quantization", "describe_weights", "quantize_weights"]
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (128, 64, 32)  # the ones torchao's CPU int4 packing takes, largest first
+# Both kernels are vectorized for bfloat16 activations only (float32 ones take a scalar loop, 10-40x
+# slower here), so a float32 model's layers multiply bfloat16-rounded inputs, and their scales are bfloat16.
+ACTIVATION_DTYPE = torch.bfloat16
+
+
+def check_quantization(quantization, device: Optional[torch.device] = None, tensor_parallel_size: int = 1) -> None:
+    """ValueError naming ``quantization`` unless it is None or one of :data:`QUANTIZATIONS`, on a
+    CPU (where ``device`` is given) and without tensor parallelism."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={quantization!r}: weight-only quantization runs on the CPU only, "
+                         f"the model is on {torch.device(device).type}")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"quantization={quantization!r} does not work with tensor_parallel_size={tensor_parallel_size}: "
+                         "the tensor-parallel split slices 16-bit nn.Linear weights")
+
+
+class Int8Linear(nn.Module):
+    """``x @ (qweight * scale).T + bias``: int8 weight [out, in], one scale per output channel."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        from torchao.quantization.granularity import PerRow
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+        quantized = Int8Tensor.from_hp(linear.weight.detach().to(ACTIVATION_DTYPE), PerRow())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized.qdata.contiguous(), quantized.scale.reshape(-1).to(ACTIVATION_DTYPE), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int4Linear(nn.Module):
+    """Grouped asymmetric int4 weight in torchao's CPU packing (ATen's tinygemm layout)."""
+
+    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int, in_features: int,
+                 out_features: int, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_and_zero", scale_and_zero)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+        from torchao.quantization.quantize_.workflows import Int4ChooseQParamsAlgorithm
+
+        # HQQ's scales and zero points (fitted to the weights) rather than each group's min and max:
+        # on bench/weight_quality.py's model, greedy agreement 0.35 -> 0.9 and KL 0.12 -> 0.07 (20 requests)
+        quantized = Int4OpaqueTensor.from_hp(linear.weight.detach().to(ACTIVATION_DTYPE), [1, group_size],
+                                             int4_choose_qparams_algorithm=Int4ChooseQParamsAlgorithm.HQQ)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized.qdata, quantized.scale_and_zero, group_size, linear.in_features, linear.out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale_and_zero.dtype).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_and_zero)
+        out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
+
+
+def _int4_group(linear: nn.Linear) -> Optional[int]:
+    return next((g for g in INT4_GROUP_SIZES if linear.in_features % g == 0), None)
+
+
+@torch.no_grad()
+def quantize_weights(model: nn.Module, quantization: str) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (a CPU model) by its quantized layer, in place;
+    returns how many. ValueError naming ``quantization`` (nothing changed) for an unknown value, a
+    model on another device, or one with a layer it cannot quantize."""
+    check_quantization(quantization, next(model.parameters()).device)
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ValueError(f"quantization={quantization!r} needs torchao: pip install 'minipaged[quantization]'") from None
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(f"quantization={quantization!r}: {type(model).__name__} has no nn.Linear layer to quantize")
+    for name, m in linears:
+        if type(m) not in (nn.Linear, WidenedLinear):  # a subclass's forward would be lost
+            raise ValueError(f"quantization={quantization!r}: {name} is a {type(m).__name__}, not a plain nn.Linear")
+        if quantization == "int4" and _int4_group(m) is None:
+            raise ValueError(f"quantization='int4': {name} has {m.in_features} input features; int4 groups of "
+                             f"{list(INT4_GROUP_SIZES)} need a multiple of 32")
+        if quantization == "int4" and m.out_features % 16:  # the packing's tiles of output rows
+            raise ValueError(f"quantization='int4': {name} has {m.out_features} output features; the int4 packing "
+                             "needs a multiple of 16")
+    for name, m in linears:
+        layer = Int8Linear.from_linear(m) if quantization == "int8" else Int4Linear.from_linear(m, _int4_group(m))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return len(linears)
+
+
+def describe_weights(model: nn.Module) -> dict:
+    """``{"weight_format", "weight_bytes"}`` for stats() and /metrics: the formats of the model's
+    linear layers ("int8", "int4 (group 128)", "bfloat16 (float32 arithmetic)" where
+    :func:`.linear16.widens`, ...; several joined by " + ") and the bytes of its parameters and
+    buffers, each storage counted once (tied weights)."""
+    formats = []
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            name = "int8"
+        elif isinstance(m, Int4Linear):
+            name = f"int4 (group {m.group_size})"
+        elif isinstance(m, nn.Linear):
+            name = str(m.weight.dtype).removeprefix("torch.") + (" (float32 arithmetic)" if widens(m.weight) else "")
+        else:
+            continue
+        if name not in formats:
+            formats.append(name)
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return {"weight_format": " + ".join(formats) or "none", "weight_bytes": sum(storages.values())}

@@ -1,0 +1,101 @@
+// linear_widened: input @ weight.T (+ bias) for a bfloat16 or float16 weight, in float32
+// arithmetic, the weight staying 16-bit in memory. For CPUs without 16-bit dot products (no
+// AVX512-BF16 / AMX), where torch's own bfloat16 matmul runs several times slower than float32:
+// each thread widens a block of weight rows into a float32 buffer that stays in its L2 and hands
+// it to the float32 GEMM (MKL/OpenBLAS through at::mm), so the arithmetic runs at float32 speed while
+// memory carries half the bytes. The widening is compiled per instruction set (isa.h): F16C turns
+// float16 into float32 eight at a time, bfloat16 is a shift.
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu/isa.h"
+
+namespace minipaged::MINIPAGED_CPU_ISA {
+namespace {
+
+// A block's float32 copy fills about half of a 512 KiB L2 (Zen 3, most Intel cores have more),
+// leaving room for the rows of the input it meets.
+constexpr int64_t kBlockBytes = 256 * 1024;
+constexpr int64_t kMinBlockRows = 8;
+
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {  // vectorized by the compiler: bfloat16 is float32's upper half
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &word, sizeof(float));
+  }
+}
+
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);  // vcvtph2ps with F16C
+}
+
+// out[:, n0:n0+nc] = x @ w[n0:n0+nc].T for every block of nc rows; each thread its own blocks.
+template <typename scalar_t>
+void widened_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
+  const int64_t k = x.size(1), n = out.size(1);
+  const int64_t block = std::max<int64_t>(kMinBlockRows, kBlockBytes / (k * int64_t(sizeof(float))));
+  const int64_t num_blocks = (n + block - 1) / block;
+  const at::ThreadLocalState caller;  // inference mode and the like, for the ATen calls on the pool's threads
+  at::parallel_for(0, num_blocks, 1, [&](int64_t first, int64_t last) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    at::Tensor buffer = at::empty({std::min(block, n), k}, x.options());
+    float* widened = buffer.data_ptr<float>();
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t n0 = b * block, nc = std::min(block, n - n0);
+      widen(w + n0 * k, widened, nc * k);
+      // the float32 GEMM of the build (MKL, OpenBLAS), one thread here: this loop is the parallel one
+      at::Tensor out_block = out.narrow(1, n0, nc);
+      at::mm_out(out_block, x, buffer.narrow(0, 0, nc).t());
+    }
+  });
+}
+
+at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2, "linear_widened: weight must be 2-D [out_features, in_features], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf,
+              "linear_widened: weight must be bfloat16 or float16, got ", weight.scalar_type());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "linear_widened: input's last dimension (",
+              input.dim() ? input.size(-1) : 0, ") must equal weight's in_features (", weight.size(1), ")");
+  TORCH_CHECK(input.is_floating_point(), "linear_widened: input must be floating point, got ", input.scalar_type());
+  const int64_t k = weight.size(1), n = weight.size(0);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_widened: bias must be [", n, "], got ",
+                bias->sizes());
+  const at::Tensor w = weight.contiguous();
+  int64_t rows = 1;  // not reshape({-1, k}): k may be 0
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
+  const at::Tensor x = input.reshape({rows, k}).to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows > 0 && n > 0) {
+    if (k == 0) {
+      out.zero_();
+    } else if (w.scalar_type() == at::kBFloat16) {
+      widened_gemm(x, w.data_ptr<c10::BFloat16>(), out);
+    } else {
+      widened_gemm(x, w.data_ptr<c10::Half>(), out);
+    }
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  return out.to(input.scalar_type()).reshape(shape);
+}
+
+}  // namespace
+
+MINIPAGED_CPU_IMPL(m) { m.impl("linear_widened", &linear_widened); }
+
+}  // namespace minipaged::MINIPAGED_CPU_ISA

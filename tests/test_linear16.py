@@ -1,0 +1,103 @@
+"""bfloat16 / float16 weights computed in float32 (minipaged_ops.linear_widened, integration.linear16):
+the op against a float64 reference on fresh random inputs of odd shapes (several weight blocks, a
+partial last one, zero rows), its errors, and the engine keeping a 16-bit model's weights 16-bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minipaged_ops
+
+WEIGHT_DTYPES = [torch.bfloat16, torch.float16]
+# (rows, in_features, out_features): one row (decode), odd widths, a weight of several blocks of
+# rows with a partial last one (300 inputs: 218-row blocks), blocks of the 8-row minimum (40000 inputs)
+SHAPES = [(1, 1, 1), (3, 7, 5), (37, 65, 129), (5, 300, 1000), (2, 40000, 13), (0, 16, 8), (4, 0, 6)]
+
+
+def reference(x, w, b):
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
+
+
+@pytest.mark.parametrize("wdtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_matches_float64_reference(wdtype, shape, with_bias):
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(hash((rows, k, n, with_bias)) % 2**31)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    b = torch.randn(n, generator=g) if with_bias else None
+    out = minipaged_ops.linear_widened(x, w, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    ref = reference(x, w, b)
+    # float32 accumulation of k products of unit-variance terms: error ~ sqrt(k) * 2^-24 * |terms|
+    tol = 1e-5 * max(k, 1) ** 0.5 * 4
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_batched_input_keeps_its_dtype_and_leading_dims(xdtype):
+    x = torch.randn(2, 3, 48).to(xdtype)
+    w = torch.randn(20, 48).to(torch.bfloat16)
+    b = torch.randn(20).to(torch.bfloat16)
+    out = minipaged_ops.linear_widened(x, w, b)
+    assert out.dtype == xdtype and out.shape == (2, 3, 20)
+    torch.testing.assert_close(out.double(), reference(x, w, b), atol=4e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_inference_tensors_on_every_thread(mode):
+    """The blocks run on torch's thread pool; an inference-mode caller's tensors must stay usable there."""
+    with getattr(torch, mode)():
+        x = torch.randn(7, 64)
+        w = torch.randn(4000, 64).to(torch.bfloat16)  # 4000 rows: blocks for every thread
+        out = minipaged_ops.linear_widened(x, w)
+    torch.testing.assert_close(out.double(), reference(x, w, None), atol=1e-4, rtol=1e-5)
+
+
+def test_non_contiguous_weight_and_input():
+    w = torch.randn(64, 40).to(torch.bfloat16)[::2, 3:35]  # strided view
+    x = torch.randn(40, 5).T[:, 3:35]  # [5, 32], non-contiguous
+    out = minipaged_ops.linear_widened(x, w)
+    torch.testing.assert_close(out.double(), reference(x, w, None), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 8), torch.randn(4, 8)), "bfloat16 or float16"),
+    ((torch.randn(2, 8), torch.randn(4, 9).bfloat16()), "in_features"),
+    ((torch.randn(2, 8), torch.randn(4, 8, 1).bfloat16()), "2-D"),
+    ((torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5)), "bias"),
+    ((torch.randint(0, 3, (2, 8)), torch.randn(4, 8).bfloat16()), "floating point"),
+])
+def test_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        minipaged_ops.linear_widened(*args)
+
+
+def test_engine_keeps_16bit_weights_and_says_so():
+    pytest.importorskip("transformers")
+    from minipaged_ops.integration import LLMEngine, SamplingParams
+    from minipaged_ops.integration.linear16 import WidenedLinear
+    from minipaged_ops.tiny import tiny_model
+
+    model = tiny_model("qwen3", dtype=torch.bfloat16)
+    reference = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                 for p in ([3, 4, 5], [7, 8, 9, 10, 11])]
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    engine = LLMEngine(model, num_blocks=32, block_size=16)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # no copy of any weight
+    stats = engine.stats()
+    params_bytes = sum(p.numel() * 2 for p in model.parameters())
+    assert params_bytes <= stats["weight_bytes"] <= params_bytes + 4096  # + the rotary tables; no float32 copy
+    if minipaged_ops.cpu_isa() not in ("avx512_bf16", "avx512_amx"):  # no bfloat16 dot products (or told so)
+        assert all(type(m) is WidenedLinear for m in linears)
+        assert stats["weight_format"] == "bfloat16 (float32 arithmetic)"
+    else:
+        assert not any(type(m) is WidenedLinear for m in linears)
+        assert stats["weight_format"] == "bfloat16"
+    outs = engine.generate([[3, 4, 5], [7, 8, 9, 10, 11]], SamplingParams(max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
