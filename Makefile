@@ -16,7 +16,7 @@ TF_OLDEST_DIR := $(VENV)/transformers-$(TF_OLDEST)
 # Python files too: an editable install maps the package's files when it is made.
 SOURCES := $(shell find src_cuda minipaged_ops integration -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-cpu-isas setup build bench clean test-sanitize
+.PHONY: demo test test-cpu-isas setup build bench bench-isas clean test-sanitize
 
 demo: build
 	$(PY) -m minipaged_ops.integration.demo
@@ -66,6 +66,15 @@ $(TF_OLDEST_DIR)/.stamp: $(VENV)/.deps-stamp
 bench: build
 	$(PY) bench/decode_cpu.py
 	$(PY) bench/block_manager.py
+
+# Issue 39's figures under every CPU kernel variant this CPU runs, one child process per variant
+# (bench/common.py run_per_isa): prefill against SDPA, decode against a sum over the same bytes and
+# the 8-bit caches against bfloat16's, at the CPU's default block size.
+ISA_DECODE := --isa all --block-size 64 --dtype float32,bfloat16 --kv-cache-dtype int8,fp8_e4m3,fp8_e5m2
+bench-isas: build
+	$(PY) bench/prefill.py --isa all --block-size 64
+	$(PY) bench/decode_cpu.py $(ISA_DECODE)
+	$(PY) bench/decode_cpu.py $(ISA_DECODE) --batch 1 --seq-len 32768
 
 clean:
 	rm -rf build $(VENV)

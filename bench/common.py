@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -265,3 +267,41 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(str(r.get(c, "-")).ljust(widths[c]) for c in columns))
+
+
+def add_isa_args(ap) -> None:
+    """--isa: the benchmark once per CPU kernel variant (run_per_isa)."""
+    ap.add_argument("--isa", default="",
+                    help="run this benchmark once per CPU kernel variant, each in a child process with "
+                         "MINIPAGED_CPU_ISA set (the variant is chosen when the library loads): 'all' (every "
+                         "variant this CPU runs) or a comma-separated list; rounds alternate the variants")
+    ap.add_argument("--isa-rounds", type=int, default=1, help="rounds over the variants with --isa (default 1)")
+
+
+def run_per_isa(args, argv: list[str] | None) -> bool:
+    """With --isa, reruns the calling script (its other arguments unchanged) once per variant and
+    round, variants alternating, and prints each run's output under its variant's name; returns
+    True then (the caller stops), False without --isa. Each run's ratios are measured inside it, so
+    variants compare by their ratios (a shared machine's load moves the absolute times)."""
+    if not args.isa:
+        return False
+    import minipaged_ops
+
+    isas = minipaged_ops.supported_cpu_isas() if args.isa == "all" else args.isa.split(",")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, skip = [], False
+    for a in argv:  # the same arguments less --isa / --isa-rounds and their values
+        if skip:
+            skip = False
+        elif a in ("--isa", "--isa-rounds"):
+            skip = True
+        elif not a.startswith(("--isa=", "--isa-rounds=")):
+            rest.append(a)
+    for r in range(args.isa_rounds):
+        for isa in isas:
+            out = subprocess.run([sys.executable, sys.argv[0], *rest], env={**os.environ, "MINIPAGED_CPU_ISA": isa},
+                                 check=True, capture_output=True, text=True).stdout
+            of_rounds = f", round {r + 1} of {args.isa_rounds}" if args.isa_rounds > 1 else ""
+            print(f"=== MINIPAGED_CPU_ISA={isa}{of_rounds}")
+            print(out.rstrip(), flush=True)
+    return True

@@ -11,6 +11,7 @@ and printed as ratios; absolute times on a shared machine are only indicative.
     python bench/decode_cpu.py --back-to-back --dtype float32,bfloat16   # without scattered blocks
     python bench/decode_cpu.py --busy --batch 2 --seq-len 512   # another process spinning on a core
     python bench/decode_cpu.py --kv-cache-dtype int8,fp8_e4m3,fp8_e5m2   # 8-bit caches vs bfloat16's
+    python bench/decode_cpu.py --isa all --block-size 64   # once per CPU variant this CPU runs (make bench-isas)
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import (DTYPES, QuantizedPool, add_cpu_decode_args, busy_core, cpu_decode_problem,  # noqa: E402
-                    interleaved_times, median_ratio, print_table, sdpa_decode)
+from common import (DTYPES, QuantizedPool, add_cpu_decode_args, add_isa_args, busy_core,  # noqa: E402
+                    cpu_decode_problem, interleaved_times, median_ratio, print_table, run_per_isa, sdpa_decode)
 
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -48,7 +49,10 @@ def main(argv=None) -> None:
                     help="8-bit caches to time beside the bfloat16 one, on the same blocks with the same bfloat16 "
                          "query: one or more of " + ", ".join(KV_CACHE_DTYPES) + ", comma separated (adds "
                          "bfloat16 to --dtype)")
+    add_isa_args(ap)
     args = ap.parse_args(argv)
+    if run_per_isa(args, argv):
+        return
     dtypes = args.dtype.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; expected {', '.join(DTYPES)}")

@@ -22,6 +22,7 @@ system's time (1.0 = as fast as the GEMM library would be on the causal work alo
 
     python bench/prefill.py                          # the two targets, float32 and bfloat16
     python bench/prefill.py --sweep --out bench/plots   # + history x new-token sweep, CSV + PNG
+    python bench/prefill.py --isa all --block-size 64   # once per CPU variant this CPU runs (make bench-isas)
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import minipaged_ops  # noqa: E402
-from common import DTYPES, interleaved_medians, machine_name, make_decode_problem, print_table  # noqa: E402
+from common import (DTYPES, add_isa_args, interleaved_medians, machine_name, make_decode_problem,  # noqa: E402
+                    print_table, run_per_isa)
 from minipaged_ops import reference  # noqa: E402
 
 TARGETS = [(0, 2048, 0.7), (2048, 256, 1.5)]  # (history, new tokens, speedup wanted)
@@ -149,7 +151,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--sweep", action="store_true", help="also sweep history x new tokens")
     ap.add_argument("--out", default=None, help="folder for prefill_cpu.csv and prefill_cpu.png (with --sweep)")
+    add_isa_args(ap)
     args = ap.parse_args(argv)
+    if run_per_isa(args, argv):
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")

@@ -143,11 +143,22 @@ uint64_t read_paged(const char* k, const char* v, const int32_t* tables, int64_t
     return out;
 }
 
-/* The core's multiply-add ceiling, every thread at once: 16 independent chains of 16-float
-   multiply-adds (throughput-bound), `rounds` rounds of 16 per chain; with bf16 != 0, bfloat16 pair
-   dot products instead (32 multiply-adds each; AVX512-BF16 only, else returns 0). Multiply-adds/s. */
+/* The core's multiply-add ceiling, every thread at once: CHAINS independent chains of multiply-adds
+   on the widest native vector (throughput-bound), `rounds` rounds per chain; with bf16 != 0,
+   bfloat16 pair dot products instead (32 multiply-adds each; AVX512-BF16 only, else returns 0).
+   Multiply-adds/s. The chains must all live in registers: 16 chains of 16 floats are 16 zmm on
+   AVX-512 but 32 ymm on AVX2, which has 16, so there each multiply-add also spilled and reloaded
+   its chain (4.4 G/s on two Zen 3 cores, a tenth of their peak). AVX2 takes 8-float vectors and 12
+   chains (12 of the 16 ymm, beside q and y; 8 in flight cover a 4-cycle FMA latency at 2 a cycle). */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+typedef float fvec __attribute__((vector_size(64)));
+#define CHAINS 16
+#else
+typedef float fvec __attribute__((vector_size(32)));
+#define CHAINS 12
 #endif
 double multiply_add_rate(int threads, int64_t rounds, int bf16) {
 #if !defined(__AVX512BF16__)
@@ -156,30 +167,31 @@ double multiply_add_rate(int threads, int64_t rounds, int bf16) {
     double seconds = 0;
     #pragma omp parallel num_threads(threads) reduction(max:seconds)
     {
-        f32x16 c[16], x = {0}, sink = {0};
-        for (int j = 0; j < 16; ++j) c[j] = x + 1e-3f * j;
-        const f32x16 q = x + 0.999f, y = x + 1e-3f;
+        fvec c[CHAINS], x = {0}, sink = {0};
+        for (int j = 0; j < CHAINS; ++j) c[j] = x + 1e-3f * j;
+        const fvec q = x + 0.999f, y = x + 1e-3f;
         #pragma omp barrier
         const double t0 = omp_get_wtime();
         if (!bf16) {
             for (int64_t r = 0; r < rounds; ++r)
-                for (int j = 0; j < 16; ++j) c[j] = c[j] * q + y;
+                for (int j = 0; j < CHAINS; ++j) c[j] = c[j] * q + y;
         }
 #if defined(__AVX512BF16__)
         else {
-            __m512 a[16];
-            for (int j = 0; j < 16; ++j) a[j] = (__m512)c[j];
+            __m512 a[CHAINS];
+            for (int j = 0; j < CHAINS; ++j) a[j] = (__m512)c[j];
             const __m512bh u = (__m512bh)_mm512_set1_epi32(0x3f803f80);
             for (int64_t r = 0; r < rounds; ++r)
-                for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], u, u);
-            for (int j = 0; j < 16; ++j) c[j] = (f32x16)a[j];
+                for (int j = 0; j < CHAINS; ++j) a[j] = _mm512_dpbf16_ps(a[j], u, u);
+            for (int j = 0; j < CHAINS; ++j) c[j] = (fvec)a[j];
         }
 #endif
         seconds = omp_get_wtime() - t0;
-        for (int j = 0; j < 16; ++j) sink += c[j];
+        for (int j = 0; j < CHAINS; ++j) sink += c[j];
         if (sink[0] == 12345.f) seconds += 1e-9;  /* keeps the chains alive */
     }
-    return (double)threads * rounds * 16 * (bf16 ? 32 : 16) / seconds;
+    const int lanes = sizeof(fvec) / sizeof(float);
+    return (double)threads * rounds * CHAINS * (bf16 ? 2 * lanes : lanes) / seconds;
 }
 
 /* The same bytes read front to back, K then V, split evenly across threads. */

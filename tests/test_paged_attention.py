@@ -103,6 +103,21 @@ def test_cpu_head_dim_not_in_cuda_list(heads, head_dim, dtype, device):
             minipaged_ops.paged_attention_decode(**case, scale=1.0)
 
 
+@pytest.mark.parametrize("block_size", [1, 64])  # 16: the grids above
+@pytest.mark.parametrize("head_dim", [36, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_cpu_tile_grid(group, head_dim, block_size):
+    # The CPU decode's head tiles under whichever variant runs (make test-cpu-isas reruns it under
+    # each): GQA groups 1-8 (query in registers, four-token tiles of up to 4 heads and the ragged
+    # ones after them, P.V panels of 8, 4 or 2 vectors), head dims that are and are not multiples of
+    # 8, 16, 32 and 64 (36, 96: the general paths and their element-by-element tails), blocks of
+    # 1 and 64, odd lengths, poisoned unused memory.
+    for dtype in DTYPES:
+        seed = zlib.crc32(repr(("tiles", dtype, group, head_dim, block_size)).encode())
+        case = make_paged_case([1, 7, 64, 131], 2 * group, 2, head_dim, block_size, dtype, "cpu", seed=seed)
+        check(case, head_dim**-0.5, dtype)
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_scores_far_below_zero(dtype, device):

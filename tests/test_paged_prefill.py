@@ -57,6 +57,27 @@ def test_long_histories(dtype, block_size, device):
     check(case, 128**-0.5, dtype)
 
 
+# Query rows and head dims of the CPU lane path (query rows along the vector lanes: 16 a row group
+# on AVX-512, 8 on AVX2; head_dim 64, 128 or 256) and of the generic tile path beside it (36: not
+# a multiple of 8; 96: of 32, not 64): fresh prompts, chunks over history that start mid-block, a chunk
+# shorter than a row group, and one past a 64-row tile; odd lengths throughout.
+LANE_PAIRS = [(37, 37), (72, 19), (9, 3), (130, 65)]
+
+
+@pytest.mark.parametrize("block_size", [1, 64])  # 16: the grids above
+@pytest.mark.parametrize("head_dim", [36, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_cpu_lane_grid(group, head_dim, block_size):
+    # Under whichever CPU variant runs (make test-cpu-isas reruns it under each): GQA groups 1-8
+    # (a row group then holds parts of several tokens, and its last lanes repeat the last row),
+    # blocks of 1 (every chunk of keys copied) and 64, poisoned unused cache memory.
+    for dtype in DTYPES:
+        seed = zlib.crc32(repr(("lanes", dtype, group, head_dim, block_size)).encode())
+        case = make_prefill_case([n for n, _ in LANE_PAIRS], [q for _, q in LANE_PAIRS], 2 * group, 2, head_dim,
+                                 block_size, dtype, "cpu", seed=seed)
+        check(case, head_dim**-0.5, dtype)
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_few_tokens_over_a_long_history(dtype, device):

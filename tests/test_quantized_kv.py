@@ -374,6 +374,20 @@ def test_prefill_grid(fmt, query_dtype, heads, head_dim, device):
     check_prefill(case, head_dim**-0.5, query_dtype)
 
 
+@pytest.mark.parametrize("block_size", [1, 64])  # 16: the grids above
+@pytest.mark.parametrize("head_dim", [36, 64, 128, 256])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_cpu_prefill_lane_grid(fmt, head_dim, block_size):
+    # The CPU prefill's lane path (head_dim 64, 128, 256: each chunk of keys dequantized once per
+    # work item) and its generic path (36: not a multiple of 8), GQA groups 1, 3 and 8, blocks of
+    # 1 and 64 (16: test_prefill_grid), odd lengths, poisoned pool; under whichever CPU variant runs.
+    pairs = [(37, 37), (72, 19), (9, 3), (130, 65)]
+    for group in (1, 3, 8):
+        case = prefill_case(fmt, pairs, (2 * group, 2), head_dim, block_size, torch.float32, "cpu",
+                            seed_of("lanes", fmt, group, head_dim, block_size))
+        check_prefill(case, head_dim**-0.5, torch.float32)
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_prefill_one_token_each_equals_decode(fmt, device):

@@ -1,24 +1,26 @@
-// The microkernels of prefill's AVX-512 lane path (prefill_tile.h): 16 query rows along the
-// vector lanes against 16 keys at a time, float32 and bfloat16-pair forms. Included only by
-// prefill_tile.h, once per instruction-set object (cpu/isa.h).
+// The microkernels of prefill's lane path (prefill_tile.h): kLanes query rows along the vector
+// lanes (lanes.h: 16 on AVX-512, 8 on AVX2) against kLanes keys at a time, float32 and (with
+// AVX512-BF16) bfloat16-pair forms. Included only by prefill_tile.h, once per instruction-set
+// object (cpu/isa.h).
 #pragma once
 
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "cpu/lanes.h"
 #include "cpu/vec.h"
 
 namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(MINIPAGED_LANES)
 // The lane path: query rows along the vector lanes.
 //
-// A row group is 16 rows of the tile, one per lane. The query is transposed once per work item
-// into qt ([head_dim][16] per row group), so S^T for a chunk of 16 keys is 16 accumulators, one
+// A row group is kLanes rows of the tile, one per lane. The query is transposed once per work item
+// into qt ([head_dim][kLanes] per row group), so S^T for a chunk of kLanes keys is kLanes accumulators, one
 // per key: for each head-dim element, one qt vector times that key's element broadcast straight
 // from its cache row (an FMA with a memory broadcast operand). No per-block transposition and no
-// horizontal sums; the FLOPs run as a 16 x 16 outer-product GEMM microkernel. The scores come out
+// horizontal sums; the FLOPs run as a kLanes x kLanes outer-product GEMM microkernel. The scores come out
 // as one vector per key with the rows in the lanes, so the online softmax (max, rescale, exp,
 // sum) is lane-wise too, and P.V is rank-1 updates of O^T ([head_dim][16] per row group): a value
 // element broadcast times a vector of 16 rows' probabilities. The running-max rescale of O^T is a
@@ -28,52 +30,45 @@ namespace {
 // of each row, the broadcast is a key's (d, d+1) pair; for P.V the chunk's value rows are
 // interleaved two keys at a time, (v[2i][d], v[2i+1][d]), against probability pairs
 // (p[2i][r], p[2i+1][r]) rounded to bfloat16 (as FlashAttention does for P.V; the softmax state
-// and both products' sums stay float32). float16, and bfloat16 without AVX512-BF16, convert each
-// chunk's K/V rows to float once per work item and take the float32 path.
-constexpr int kLanes = 16;  // rows per row group, keys per chunk
+// and both products' sums stay float32). float16, 8-bit caches, and bfloat16 without AVX512-BF16
+// (AVX2 among them) convert each chunk's K/V rows to float once per work item and take the float32 path.
 
-// flatten: exp16 inlined here, where 17 calls per row group and chunk would otherwise cost calls.
-__attribute__((always_inline, flatten)) inline __m512 exp_ps(__m512 x) {
-  const f32x16 e = exp16(reinterpret_cast<const f32x16&>(x));
-  return reinterpret_cast<const __m512&>(e);
-}
-
-// s[t] (lane r) = q_r . k_t over the 16 key rows of k (row stride D).
+// s[t] (lane r) = q_r . k_t over the kLanes key rows of k (row stride D).
 template <int D>
-inline void lane_scores(const float* qt, const float* k, __m512 (&s)[kLanes]) {
-  for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+inline void lane_scores(const float* qt, const float* k, Lanes (&s)[kLanes]) {
+  for (int t = 0; t < kLanes; ++t) s[t] = lanes_zero();
   for (int d = 0; d < D; ++d) {
-    const __m512 q = _mm512_load_ps(qt + d * kLanes);
+    const Lanes q = lanes_load(qt + d * kLanes);
 #pragma GCC unroll 16
-    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(k[t * D + d]), s[t]);
+    for (int t = 0; t < kLanes; ++t) s[t] = lanes_fmadd(q, lanes_set1(k[t * D + d]), s[t]);
   }
 }
 
-// The frame of both P.V updates: per 16-element head-dim panel, the accumulator tile (16 x 16
-// rows) is loaded, rescaled, handed to `add` (the keys' contributions, in registers), stored.
+// The frame of both P.V updates: per kLanes-element head-dim panel, the accumulator tile (kLanes
+// x kLanes rows) is loaded, rescaled, handed to `add` (the keys' contributions, in registers), stored.
 template <int D, typename Add>
-__attribute__((always_inline)) inline void update_output_tiles(float* ot, __m512 rescale, bool rescaled, Add add) {
+__attribute__((always_inline)) inline void update_output_tiles(float* ot, Lanes rescale, bool rescaled, Add add) {
   for (int d0 = 0; d0 < D; d0 += kLanes) {
-    __m512 a[kLanes];
+    Lanes a[kLanes];
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
-      a[j] = _mm512_load_ps(ot + (d0 + j) * kLanes);
-      if (rescaled) a[j] = _mm512_mul_ps(a[j], rescale);
+      a[j] = lanes_load(ot + (d0 + j) * kLanes);
+      if (rescaled) a[j] = lanes_mul(a[j], rescale);
     }
     add(a, d0);
 #pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) _mm512_store_ps(ot + (d0 + j) * kLanes, a[j]);
+    for (int j = 0; j < kLanes; ++j) lanes_store(ot + (d0 + j) * kLanes, a[j]);
   }
 }
 
-// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the 16 value rows of v.
+// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the kLanes value rows of v.
 template <int D>
-inline void lane_accumulate(const float* p, const float* v, float* ot, __m512 rescale, bool rescaled) {
-  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
+inline void lane_accumulate(const float* p, const float* v, float* ot, Lanes rescale, bool rescaled) {
+  update_output_tiles<D>(ot, rescale, rescaled, [&](Lanes (&a)[kLanes], int d0) __attribute__((always_inline)) {
     for (int t = 0; t < kLanes; ++t) {
-      const __m512 pt = _mm512_load_ps(p + t * kLanes);
+      const Lanes pt = lanes_load(p + t * kLanes);
 #pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_set1_ps(v[t * D + d0 + j]), a[j]);
+      for (int j = 0; j < kLanes; ++j) a[j] = lanes_fmadd(pt, lanes_set1(v[t * D + d0 + j]), a[j]);
     }
   });
 }

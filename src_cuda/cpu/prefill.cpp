@@ -35,7 +35,7 @@ void prefill_work_item(const PrefillItem& item, const Q* query, int64_t q_token_
                        int64_t q_begin, int64_t context, float scale, const T* key_cache, const T* value_cache,
                        const CacheLayout& layout, const int32_t* block_table, int64_t group, Q* out,
                        int64_t num_heads, TileScratch& w, const KVScales& kv_scales) {
-#if defined(__AVX512F__)
+#if defined(MINIPAGED_LANES)
   if (prefill_lanes(item, query, q_token_stride, q_head_stride, q_begin, context, scale, key_cache, value_cache,
                     layout, block_table, group, out, num_heads, w, kv_scales))
     return;

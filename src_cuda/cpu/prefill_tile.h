@@ -1,6 +1,7 @@
 // A prefill work item (a tile of query rows of one kv head, see prefill.cpp), its per-thread
-// scratch, and the AVX-512 lane path (microkernels in lane_kernels.h) that runs an item with the
-// query rows along the vector lanes where it can (head_dim 64, 128 or 256 and at least 16 rows);
+// scratch, and the lane path (AVX-512 and AVX2; microkernels in lane_kernels.h, vector in lanes.h)
+// that runs an item with the query rows along the vector lanes where it can (head_dim 64, 128 or
+// 256 and at least kLanes rows);
 // prefill.cpp has the generic path and the op. Included only by prefill.cpp, once per instruction-set object (cpu/isa.h).
 #pragma once
 
@@ -31,22 +32,22 @@ struct TileScratch {
   std::vector<float> q, scores, max_score, acc;
   std::vector<f32x16> exp_sum;
   std::vector<c10::BFloat16> q_bf16;
-#if defined(__AVX512F__)
-  // The lane path's (below), in 64-byte vectors: transposed query and accumulator, one chunk's
+#if defined(MINIPAGED_LANES)
+  // The lane path's (below), in vectors of kLanes floats: transposed query and accumulator, one chunk's
   // K and V rows (when copied), V as bfloat16 pairs, probabilities, running max and sum, query
   // positions.
-  struct alignas(64) Vector {
-    float lanes[16];
+  struct alignas(sizeof(Lanes)) Vector {
+    float lanes[kLanes];
   };
   std::vector<Vector> qt, ot, k, v, v_pairs, p, max_score_lanes, exp_sum_lanes, position;
 #endif
 };
 
-#if defined(__AVX512F__)
+#if defined(MINIPAGED_LANES)
 // The lane path (the idea and its microkernels: lane_kernels.h).
 
-// Keys (or values) [kpos, kpos + n) of one kv head as 16 rows of D elements of C, rows past n
-// zero: the cache rows themselves when they are 16 rows of one block already in C (n = 16 never
+// Keys (or values) [kpos, kpos + n) of one kv head as kLanes rows of D elements of C, rows past n
+// zero: the cache rows themselves when they are kLanes rows of one block already in C (n = kLanes never
 // reaches past the sequence), else a copy, converted to C, in buf. An 8-bit cache's rows are
 // dequantized into the copy: times their token's scale (int8: token_scales) or the layer's.
 template <typename C, int D, typename T>
@@ -93,7 +94,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   const int64_t row_groups = (rows + kLanes - 1) / kLanes;
   const int64_t first_pos = context + item.first_token, end = first_pos + item.num_tokens;
 
-  // Lane r of row group g is row g * 16 + r; the lanes past the last row repeat it (finite data,
+  // Lane r of row group g is row g * kLanes + r; the lanes past the last row repeat it (finite data,
   // same position, never written out).
   auto row_of = [&](int64_t g, int64_t r) { return std::min(g * kLanes + r, rows - 1); };
   w.qt.resize(row_groups * kQtVectors);
@@ -122,14 +123,13 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
       }
     }
     std::memcpy(w.position.data() + g, pos, sizeof(pos));
-    _mm512_store_ps(vec(w.max_score_lanes, g), _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    lanes_store(vec(w.max_score_lanes, g), lanes_set1(-std::numeric_limits<float>::infinity()));
   }
 
-  constexpr int64_t kChunkVectors = kLanes * D * sizeof(C) / sizeof(__m512);
+  constexpr int64_t kChunkVectors = kLanes * D * sizeof(C) / sizeof(Lanes);
   w.k.resize(kChunkVectors);
   w.v.resize(kChunkVectors);
   if (kPairs) w.v_pairs.resize(D / 2);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t kpos = 0; kpos < end; kpos += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, end - kpos);
     const C* k = chunk_rows<C, D>(key_cache, kpos, n, layout, block_table, item.kv_head, reinterpret_cast<C*>(w.k.data()),
@@ -156,39 +156,35 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
         prefetch(reinterpret_cast<const char*>(key_cache + row), D * sizeof(T));
         prefetch(reinterpret_cast<const char*>(value_cache + row), D * sizeof(T));
       }
-      __m512 s[kLanes];
+      Lanes s[kLanes];
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         lane_scores_pairs<D>(reinterpret_cast<const uint32_t*>(w.qt.data() + g * kQtVectors), k, s);
-        for (int t = 0; t < kLanes; ++t) s[t] = _mm512_mul_ps(s[t], _mm512_set1_ps(scale));
+        for (int t = 0; t < kLanes; ++t) s[t] = lanes_mul(s[t], lanes_set1(scale));
 #endif
       } else {
         lane_scores<D>(reinterpret_cast<const float*>(w.qt.data() + g * kQtVectors), k, s);
       }
       if (kpos + kLanes - 1 > lowest || n < kLanes) {
         // Key kpos + t is visible to the lanes at or after it, and only if it exists.
-        for (int t = 0; t < kLanes; ++t) {
-          const __mmask16 visible = t < n ? _mm512_cmp_epi32_mask(_mm512_load_si512(w.position.data() + g),
-                                                                   _mm512_set1_epi32(static_cast<int>(kpos + t)), _MM_CMPINT_NLT)
-                                          : 0;
-          s[t] = _mm512_mask_mov_ps(neg_inf, visible, s[t]);
-        }
+        for (int t = 0; t < kLanes; ++t)
+          s[t] = lanes_visible(s[t], lanes_load_ints(w.position.data() + g), static_cast<int32_t>(kpos + t), t < n);
       }
       // Online softmax, lane-wise. Every lane sees key 0 in the first chunk, so the running max
       // is finite from then on and a chunk a lane sees nothing of leaves it as it was.
-      __m512 chunk_max = s[0];
-      for (int t = 1; t < kLanes; ++t) chunk_max = _mm512_max_ps(chunk_max, s[t]);
-      const __m512 old_max = _mm512_load_ps(vec(w.max_score_lanes, g));
-      const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
-      const __m512 rescale = exp_ps(_mm512_sub_ps(old_max, new_max));
-      const bool rescaled = _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
-      _mm512_store_ps(vec(w.max_score_lanes, g), new_max);
-      __m512 sum = _mm512_setzero_ps();
+      Lanes chunk_max = s[0];
+      for (int t = 1; t < kLanes; ++t) chunk_max = lanes_max(chunk_max, s[t]);
+      const Lanes old_max = lanes_load(vec(w.max_score_lanes, g));
+      const Lanes new_max = lanes_max(old_max, chunk_max);
+      const Lanes rescale = lanes_exp(lanes_sub(old_max, new_max));
+      const bool rescaled = lanes_any_not_one(rescale);
+      lanes_store(vec(w.max_score_lanes, g), new_max);
+      Lanes sum = lanes_zero();
       for (int t = 0; t < kLanes; ++t) {
-        s[t] = exp_ps(_mm512_sub_ps(s[t], new_max));
-        sum = _mm512_add_ps(sum, s[t]);
+        s[t] = lanes_exp(lanes_sub(s[t], new_max));
+        sum = lanes_add(sum, s[t]);
       }
-      _mm512_store_ps(vec(w.exp_sum_lanes, g), _mm512_fmadd_ps(_mm512_load_ps(vec(w.exp_sum_lanes, g)), rescale, sum));
+      lanes_store(vec(w.exp_sum_lanes, g), lanes_fmadd(lanes_load(vec(w.exp_sum_lanes, g)), rescale, sum));
       float* ot = reinterpret_cast<float*>(w.ot.data() + g * D);
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
@@ -197,7 +193,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
         lane_accumulate_pairs<D>(p, reinterpret_cast<const uint32_t*>(w.v_pairs.data()), ot, rescale, rescaled);
 #endif
       } else {
-        for (int t = 0; t < kLanes; ++t) _mm512_store_ps(vec(w.p, t), s[t]);
+        for (int t = 0; t < kLanes; ++t) lanes_store(vec(w.p, t), s[t]);
         lane_accumulate<D>(vec(w.p, 0), v, ot, rescale, rescaled);
       }
     }
@@ -205,7 +201,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   // Every lane saw key 0, so its sum is positive.
   for (int64_t g = 0; g < row_groups; ++g) {
     alignas(64) float inv[kLanes];
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(vec(w.exp_sum_lanes, g))));
+    lanes_store(inv, lanes_div(lanes_set1(1.f), lanes_load(vec(w.exp_sum_lanes, g))));
     const float* ot = reinterpret_cast<const float*>(w.ot.data() + g * D);
     for (int64_t r = 0; r < kLanes && g * kLanes + r < rows; ++r) {
       const int64_t row = g * kLanes + r;

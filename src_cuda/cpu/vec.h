@@ -79,26 +79,39 @@ inline auto hsum4(V16 a, V16 b, V16 c, V16 d) {
   return __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
 }
 
-// exp(x) for 16 floats: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial
-// (relative error < 2e-7 on that range), 2^k spliced into the exponent bits. Inputs below
-// -87 flush to 0, which is what the softmax wants for far-below-max scores.
-inline f32x16 exp16(f32x16 x) {
-  using i32x16 = int32_t __attribute__((vector_size(64)));
-  const f32x16 lo = f32x16{} - 87.f;
+// exp(x) for a vector of floats (16: exp16; 8: the AVX2 lane path's): x = k ln2 + r,
+// |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^k
+// spliced into the exponent bits. Inputs below -87 flush to 0, which is what the softmax wants for
+// far-below-max scores.
+template <int kBytes>
+struct IntVector;  // the int32 vector of as many bytes
+template <>
+struct IntVector<64> {
+  using type = int32_t __attribute__((vector_size(64)));
+};
+template <>
+struct IntVector<32> {
+  using type = int32_t __attribute__((vector_size(32)));
+};
+template <typename V>
+inline V exp_vector(V x) {
+  using I = typename IntVector<sizeof(V)>::type;
+  const V lo = V{} - 87.f;
   x = x < lo ? lo : x;
-  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f) , i32x16), f32x16);
-  const f32x16 r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  f32x16 p = 1.f / 720 + f32x16{};
+  const V k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f) , I), V);
+  const V r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  V p = 1.f / 720 + V{};
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
-  f32x16 result = p * reinterpret_cast<const f32x16&>(bits);
-  return x <= lo ? f32x16{} : result;
+  const I bits = (__builtin_convertvector(k, I) + 127) << 23;
+  V result = p * reinterpret_cast<const V&>(bits);
+  return x <= lo ? V{} : result;
 }
+inline f32x16 exp16(f32x16 x) { return exp_vector(x); }
 
 // 16 cache elements as floats, converted in registers (bfloat16 is the top half of a float;
 // float16 converts in hardware where F16C exists), so K/V are read once, straight from the cache.
@@ -110,6 +123,15 @@ inline f32x16 load16(const c10::BFloat16* p) {
   // bfloat16 kernel takes this path (no AVX512-BF16, or head_dim not a multiple of 32).
   const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   return reinterpret_cast<const f32x16&>(wide);
+#elif defined(__AVX2__)
+  // The same on AVX2: each half zero-extended to 32 bits and shifted, four instructions.
+  const __m128i* src = reinterpret_cast<const __m128i*>(p);
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src)), 16);
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1)), 16);
+  f32x16 out;
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
 #else
   u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
   return reinterpret_cast<f32x16&>(wide);

@@ -1,0 +1,85 @@
+// The vector of prefill's lane path (prefill_tile.h, lane_kernels.h): kLanes floats, one query
+// row per lane. The work loops are written once against these few operations; only this file
+// knows the instruction set. AVX-512: 16 lanes in a zmm register, each operation the one
+// intrinsic the loops used before this header existed (so that variant's code is unchanged).
+// AVX2 + FMA: 8 lanes in a ymm register; a tile of 8 rows x 8 keys keeps 8 accumulators, one
+// query vector and one broadcast in 10 of the 16 registers (16 x 16 would need 32 and spill), and
+// 8 independent FMA chains cover Zen 3's and Intel's 4-cycle FMA latency at 2 FMAs a cycle.
+// Anonymous namespace for the reason vec.h gives.
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <limits>
+
+#include "cpu/vec.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define MINIPAGED_LANES 1
+#endif
+
+namespace minipaged {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // rows per row group, keys per chunk
+using Lanes = __m512;
+using LaneInts = __m512i;
+inline Lanes lanes_load(const float* p) { return _mm512_load_ps(p); }
+inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
+inline LaneInts lanes_load_ints(const void* p) { return _mm512_load_si512(p); }
+inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
+inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
+inline Lanes lanes_fmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline Lanes lanes_div(Lanes a, Lanes b) { return _mm512_div_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+// s in the lanes whose position is at least `key` (the key exists: `exists`), else -inf.
+inline Lanes lanes_visible(Lanes s, LaneInts positions, int32_t key, bool exists) {
+  const __mmask16 visible = exists ? _mm512_cmp_epi32_mask(positions, _mm512_set1_epi32(key), _MM_CMPINT_NLT) : 0;
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), visible, s);
+}
+// Whether any lane differs from 1 (or is NaN).
+inline bool lanes_any_not_one(Lanes v) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0; }
+// flatten: exp16 inlined here, where 17 calls per row group and chunk would otherwise cost calls.
+__attribute__((always_inline, flatten)) inline Lanes lanes_exp(Lanes x) {
+  const f32x16 e = exp16(reinterpret_cast<const f32x16&>(x));
+  return reinterpret_cast<const Lanes&>(e);
+}
+#elif defined(MINIPAGED_LANES)
+constexpr int kLanes = 8;
+using Lanes = __m256;
+using LaneInts = __m256i;
+inline Lanes lanes_load(const float* p) { return _mm256_load_ps(p); }
+inline void lanes_store(float* p, Lanes v) { _mm256_store_ps(p, v); }
+inline LaneInts lanes_load_ints(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
+inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
+inline Lanes lanes_fmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm256_sub_ps(a, b); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+inline Lanes lanes_div(Lanes a, Lanes b) { return _mm256_div_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm256_max_ps(a, b); }
+inline Lanes lanes_visible(Lanes s, LaneInts positions, int32_t key, bool exists) {
+  const Lanes neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  if (!exists) return neg_inf;
+  const __m256i hidden = _mm256_cmpgt_epi32(_mm256_set1_epi32(key), positions);  // position < key
+  return _mm256_blendv_ps(s, neg_inf, _mm256_castsi256_ps(hidden));
+}
+inline bool lanes_any_not_one(Lanes v) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(1.f), _CMP_NEQ_UQ)) != 0;
+}
+__attribute__((always_inline, flatten)) inline Lanes lanes_exp(Lanes x) {
+  const f32x8 e = exp_vector(reinterpret_cast<const f32x8&>(x));
+  return reinterpret_cast<const Lanes&>(e);
+}
+#endif
+
+}  // namespace
+}  // namespace minipaged
