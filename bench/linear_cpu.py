@@ -5,9 +5,11 @@ MLP 3072, vocabulary 151936), at decode and prefill row counts.
     python bench/linear_cpu.py                       # 2 threads
     python bench/linear_cpu.py --rows 1,32,256 --shapes 1024x3072,3072x1024
 
-Ways: float32 ``F.linear``; torch's bfloat16 ``F.linear`` (oneDNN where the CPU has AVX512-BF16/AMX,
+Ways: float32 ``F.linear``; float32 through minipaged's ``linear_widened`` (few rows: the weight
+streamed once for all of them; more: the same GEMM); torch's bfloat16 ``F.linear`` (oneDNN where the CPU has AVX512-BF16/AMX,
 a generic loop elsewhere); the bfloat16 weight widened to float32 whole on every call; minipaged's
-``linear_widened`` (widened a block of rows at a time into the float32 GEMM); int8 per channel
+``linear_widened`` (few rows: widened in registers, streamed once; more: widened a block of rows at
+a time into the float32 GEMM); int8 per channel
 through torchao's own linear (``Int8WeightOnlyConfig``) and through ATen's ``_weight_int8pack_mm``
 (minipaged's ``Int8Linear``); int4 groups of 128 through ATen's ``_weight_int4pack_mm_for_cpu``
 (torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except for float32 F.linear.
@@ -39,6 +41,7 @@ def ways(k: int, n: int) -> dict:
     w16 = lin16.weight.detach()
     out = {
         "float32": (lin32, torch.float32),
+        "float32 linear_widened": (lambda x: minipaged_ops.linear_widened(x, lin32.weight.detach()), torch.float32),
         "bf16 torch": (lin16, torch.bfloat16),
         "bf16 widen whole": (lambda x: F.linear(x.float(), w16.float()).bfloat16(), torch.bfloat16),
         "bf16 linear_widened": (lambda x: minipaged_ops.linear_widened(x, w16), torch.bfloat16),

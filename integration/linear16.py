@@ -1,11 +1,14 @@
-"""bfloat16 and float16 weights at float32 speed on CPUs without 16-bit dot products.
+"""The engine's CPU linear layers: bfloat16 and float16 weights at float32 speed on CPUs without
+16-bit dot products, and few-row steps (decode, speculative verify) at memory speed.
 
 On such a CPU (AVX2, or AVX-512 without AVX512-BF16 / AMX) torch's own bfloat16 matmul takes a slow
 generic path, several times slower than float32 (bench/RESULTS.md). ``linear`` sends a CPU linear
 with a 16-bit weight to ``minipaged_ops.linear_widened`` there: the weight stays 16-bit in memory
-and is widened to float32 a block of rows at a time, straight into the float32 GEMM. Where the CPU
-has the instructions (the kernels' variant is ``avx512_bf16`` or ``avx512_amx``; for float16, AMX-FP16)
-torch's own path (oneDNN) is used, as it is native there.
+and is widened to float32 in registers (few rows) or a block of rows at a time into the float32
+GEMM. Where the CPU has the instructions (the kernels' variant is ``avx512_bf16`` or
+``avx512_amx``; for float16, AMX-FP16) torch's own path (oneDNN) is used, as it is native there.
+A float32 weight goes through the op too: with few input rows the op reads the weight once for
+all of them, where the build's GEMM (MKL) takes about one weight read per row on AMD CPUs.
 
 ``MINIPAGED_CPU_ISA=avx2`` (read when minipaged loads) makes a CPU that has them choose as one
 without them would; see README's "bfloat16 checkpoints on the CPU".
@@ -37,12 +40,13 @@ def native_16bit_matmul(dtype: torch.dtype) -> bool:
 
 def widens(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` computes with this weight through ``linear_widened``."""
-    return weight.device.type == "cpu" and weight.dtype in _16BIT and not native_16bit_matmul(weight.dtype)
+    if weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype in _16BIT and not native_16bit_matmul(weight.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, with a 16-bit CPU weight computed in float32 where the CPU has no 16-bit
-    dot products (:func:`widens`)."""
+    """``F.linear``, with a CPU weight computed by ``linear_widened`` where :func:`widens` says so."""
     if widens(weight):
         return minipaged_ops.linear_widened(x, weight, bias)
     return F.linear(x, weight, bias)

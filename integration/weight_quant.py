@@ -156,7 +156,8 @@ def describe_weights(model: nn.Module) -> dict:
         elif isinstance(m, Int4Linear):
             name = f"int4 (group {m.group_size})"
         elif isinstance(m, nn.Linear):
-            name = str(m.weight.dtype).removeprefix("torch.") + (" (float32 arithmetic)" if widens(m.weight) else "")
+            widened = m.weight.dtype != torch.float32 and widens(m.weight)
+            name = str(m.weight.dtype).removeprefix("torch.") + (" (float32 arithmetic)" if widened else "")
         else:
             continue
         if name not in formats:

@@ -1,6 +1,7 @@
-"""bfloat16 / float16 weights computed in float32 (minipaged_ops.linear_widened, integration.linear16):
-the op against a float64 reference on fresh random inputs of odd shapes (several weight blocks, a
-partial last one, zero rows), its errors, and the engine keeping a 16-bit model's weights 16-bit."""
+"""float32, bfloat16 and float16 weights computed in float32 (minipaged_ops.linear_widened,
+integration.linear16): the op against a float64 reference on fresh random inputs of odd shapes
+(streamed few-row steps, several weight blocks, a partial last one, zero rows), its errors, and the
+engine keeping a 16-bit model's weights 16-bit."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import torch
 
 import minipaged_ops
 
-WEIGHT_DTYPES = [torch.bfloat16, torch.float16]
-# (rows, in_features, out_features): one row (decode), odd widths, a weight of several blocks of
-# rows with a partial last one (300 inputs: 218-row blocks), blocks of the 8-row minimum (40000 inputs)
-SHAPES = [(1, 1, 1), (3, 7, 5), (37, 65, 129), (5, 300, 1000), (2, 40000, 13), (0, 16, 8), (4, 0, 6)]
+WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rows, in_features, out_features). Up to 24 rows the weight is streamed (row counts 1-8 and 24,
+# groups of 4 rows with a partial last group, vector tails); more rows take the GEMM path, with a
+# weight of several blocks of rows and a partial last one (300 inputs: 218-row blocks), blocks of
+# the 8-row minimum (40000 inputs), zero rows and zero inputs.
+SHAPES = [(1, 1, 1), (2, 16, 3), (3, 7, 5), (4, 1029, 70), (5, 300, 1000), (6, 33, 129), (7, 48, 9),
+          (8, 1024, 257), (9, 33, 17), (23, 77, 5), (24, 64, 40), (25, 40, 33), (37, 65, 129), (2, 40000, 13),
+          (0, 16, 8), (4, 0, 6)]
 
 
 def reference(x, w, b):
@@ -65,7 +70,7 @@ def test_non_contiguous_weight_and_input():
 
 
 @pytest.mark.parametrize("args, match", [
-    ((torch.randn(2, 8), torch.randn(4, 8)), "bfloat16 or float16"),
+    ((torch.randn(2, 8), torch.randn(4, 8).double()), "float32, bfloat16 or float16"),
     ((torch.randn(2, 8), torch.randn(4, 9).bfloat16()), "in_features"),
     ((torch.randn(2, 8), torch.randn(4, 8, 1).bfloat16()), "2-D"),
     ((torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5)), "bias"),

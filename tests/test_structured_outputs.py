@@ -296,3 +296,63 @@ def test_strict_json_masks_control_bytes_inside_strings():
     assert [bitmask_allows(strict.rows, s, 8) for s in range(3)] == [{1, 2, 4, 5, 6}, {2, 3, 5, 6, 7}, {2, 5, 6, 7}]
     assert [strict.advance(0, t) for t in (2, 5, 6, 7)] == [0, 1, 0, 1]
     assert [strict.advance(1, t) for t in (2, 5, 6, 7)] == [1, 0, 2, 0]
+
+
+def test_matcher_lookahead_for_speculation_leaves_it_as_it_was():
+    """allowed_prefix stops at the first forbidden proposal and after one that completes the
+    grammar; masks_along gives each position's mask; neither moves the matcher."""
+    tok = tokenizer()
+    cache = GrammarCompilerCache(tok, len(tok), [tok.eos_token_id])
+    ids = tok.encode("not sure")
+    m = SequenceMatcher(cache.compile(StructuredOutputsParams(choice=CHOICES)))
+    assert m.allowed_prefix(ids + [tok.eos_token_id, ids[0]]) == len(ids) + 1  # nothing after the end
+    assert m.allowed_prefix([tok.eos_token_id] + ids) == 0
+    assert m.num_tokens == 0
+    masks = m.masks_along(ids)
+    bitmask = torch.zeros(len(ids) + 1, -(-len(tok) // 32), dtype=torch.int32)
+    for j, mask in enumerate(masks):
+        assert mask.num_tokens == j
+        mask.fill_bitmask(bitmask, j)
+        step = SequenceMatcher(cache.compile(StructuredOutputsParams(choice=CHOICES)))
+        step.advance(ids[:j])
+        expected = torch.zeros_like(bitmask)
+        step.fill_bitmask(expected, j)
+        assert torch.equal(bitmask[j], expected[j])
+    assert bitmask_allows(bitmask, len(ids), len(tok)) == {tok.eos_token_id}
+    assert m.num_tokens == 0 and not m.is_terminated
+    m.advance(ids)  # still at the start: the whole choice is accepted
+    assert m.num_tokens == len(ids)
+
+
+REPEAT = r"(la ){4,9}la!"  # a constraint that repeats itself: n-gram proposals the grammar keeps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_under_constraints_gives_the_same_tokens(temperature, monkeypatch):
+    """n-gram speculation on constrained sequences: the proposals the grammar allows are verified
+    under each position's mask, so the tokens equal decoding one at a time under the constraint,
+    every output passes its check, and proposals were kept."""
+    from minipaged_ops.integration.engine.speculative import speculator as speculator_module
+
+    monkeypatch.setattr(speculator_module, "MIN_ACCEPTANCE", 0.0)  # the random model keeps few
+    constraints = {**{name: CONSTRAINTS[name] for name in SOME},
+                   "repeat": (StructuredOutputsParams(regex=REPEAT), lambda t: _assert(re.fullmatch(REPEAT, t)))}
+
+    def run(**kwargs):
+        eng = engine(**kwargs)
+        for i, (name, (params, _)) in enumerate(constraints.items()):
+            eng.add_request(name, prompt(i) + tokenizer().encode(" la la la la la!"), SamplingParams(
+                n=2, temperature=temperature, seed=i, max_tokens=60, structured_outputs=params))
+        return eng, drain(eng)
+
+    _, clean = run()
+    eng, spec = run(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert token_ids(spec) == token_ids(clean)
+    stats = eng.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    for name, (_, check) in constraints.items():
+        for out in spec[name].outputs:
+            if out.finish_reason == "stop":
+                check(out.text)
+    assert all(o.finish_reason == "stop" for o in spec["repeat"].outputs)
+    assert_all_blocks_free(eng)

@@ -11,7 +11,10 @@ anything that proposes and takes back tokens, such as speculative decoding):
   ([rows, ceil(vocab / 32)], token t allowed iff bit t % 32 of word t // 32 is set);
 - ``is_terminated``: the grammar is complete and its stop token (EOS) was accepted;
 - ``num_tokens``: how many tokens it has accepted; the engine keeps it equal to the length of
-  the sequence's output, which :func:`apply_grammar_masks` checks every step.
+  the sequence's output, which :func:`apply_grammar_masks` checks every step;
+- for speculative decoding, ``allowed_prefix(token_ids)`` (how many leading proposals the grammar
+  accepts) and ``masks_along(token_ids)`` (the bitmask rows at each position of a verify chunk,
+  as :class:`FilledMask` rows), both leaving the matcher as it was.
 
 :func:`apply_grammar_masks` is the sampler's hook: one bitmask row per constrained row, filled
 (in one batched call when there are several) and applied to the logits in one call, before
@@ -30,7 +33,7 @@ import torch
 from .strict_json import OUTSIDE
 from .structured_outputs import CompiledConstraint
 
-__all__ = ["SequenceMatcher", "apply_grammar_masks"]
+__all__ = ["FilledMask", "SequenceMatcher", "apply_grammar_masks"]
 
 _FILL_THREADS = min(4, os.cpu_count() or 1)
 _batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
@@ -80,11 +83,54 @@ class SequenceMatcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         self._restrict(bitmask, row)
 
+    def allowed_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts in order, stopping after one that
+        completes it (nothing may follow); the matcher is left as it was."""
+        n = 0
+        try:
+            for token in token_ids:
+                if self.is_terminated or not self._matcher.accept_token(int(token)):
+                    break
+                n += 1
+        finally:
+            if n:
+                self._matcher.rollback(n)
+        return n
+
+    def masks_along(self, token_ids: Sequence[int]) -> list["FilledMask"]:
+        """``len(token_ids) + 1`` masks: the next-token mask now and after each of ``token_ids``
+        (which the grammar must accept: :meth:`allowed_prefix`); the matcher is left as it was."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(len(token_ids) + 1, self.constraint.compiled.tokenizer_info.vocab_size)
+        base = self._num_tokens
+        advanced = 0
+        try:
+            for j, token in enumerate(token_ids):
+                self.fill_bitmask(bitmask, j)
+                self.advance([token])
+                advanced += 1
+            self.fill_bitmask(bitmask, len(token_ids))
+        finally:
+            self.rollback(advanced)
+        return [FilledMask(bitmask[j], base + j) for j in range(len(token_ids) + 1)]
+
     def _restrict(self, bitmask: torch.Tensor, row: int) -> None:
         """Strict JSON: off, the tokens that would put a control byte where JSON forbids one."""
         strict = self.constraint.strict_json
         if strict is not None:
             bitmask[row].bitwise_and_(strict.rows[self._json_states[-1]])
+
+
+class FilledMask:
+    """One bitmask row filled ahead of the step (a verify chunk's position), standing in for a
+    matcher in :func:`apply_grammar_masks`; ``num_tokens``: the output tokens before that position."""
+
+    def __init__(self, bits: torch.Tensor, num_tokens: int):
+        self.bits, self.num_tokens = bits, num_tokens
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self.bits)
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence, vocab_size: Optional[int] = None) -> None:
@@ -100,11 +146,15 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence, vocab_size: Option
                                f"has {len(rows[i].output_ids)} output tokens")
     vocab_size = logits.shape[1] if vocab_size is None else vocab_size
     bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32)
-    if len(matchers) == 1:
-        matchers[0].fill_bitmask(bitmask, constrained[0])
-    else:
-        _filler().batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, constrained)
-        for i, m in zip(constrained, matchers):
+    live = [(i, m) for i, m in zip(constrained, matchers) if isinstance(m, SequenceMatcher)]
+    for i, m in zip(constrained, matchers):
+        if not isinstance(m, SequenceMatcher):  # filled ahead (FilledMask)
+            m.fill_bitmask(bitmask, i)
+    if len(live) == 1:
+        live[0][1].fill_bitmask(bitmask, live[0][0])
+    elif live:
+        _filler().batch_fill_next_token_bitmask([m._matcher for _, m in live], bitmask, [i for i, _ in live])
+        for i, m in live:
             m._restrict(bitmask, i)
     import xgrammar
 

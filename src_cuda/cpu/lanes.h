@@ -1,5 +1,5 @@
-// The vector of prefill's lane path (prefill_tile.h, lane_kernels.h): kLanes floats, one query
-// row per lane. The work loops are written once against these few operations; only this file
+// The vector of prefill's lane path (prefill_tile.h, lane_kernels.h; kLanes floats, one query
+// row per lane) and of linear.cpp's streamed weights. The work loops are written once against these few operations; only this file
 // knows the instruction set. AVX-512: 16 lanes in a zmm register, each operation the one
 // intrinsic the loops used before this header existed (so that variant's code is unchanged).
 // AVX2 + FMA: 8 lanes in a ymm register; a tile of 8 rows x 8 keys keeps 8 accumulators, one
@@ -17,7 +17,7 @@
 
 #include "cpu/vec.h"
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define MINIPAGED_LANES 1
 #endif
 
@@ -29,6 +29,14 @@ constexpr int kLanes = 16;  // rows per row group, keys per chunk
 using Lanes = __m512;
 using LaneInts = __m512i;
 inline Lanes lanes_load(const float* p) { return _mm512_load_ps(p); }
+// Unaligned loads widened to float32: bfloat16 is float32's upper half (a shift), float16 converts
+// in hardware (linear.cpp's streamed weights).
+inline Lanes lanes_loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes lanes_loadu(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline Lanes lanes_loadu(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
 inline LaneInts lanes_load_ints(const void* p) { return _mm512_load_si512(p); }
 inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
@@ -56,6 +64,16 @@ constexpr int kLanes = 8;
 using Lanes = __m256;
 using LaneInts = __m256i;
 inline Lanes lanes_load(const float* p) { return _mm256_load_ps(p); }
+inline Lanes lanes_loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes lanes_loadu(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline Lanes lanes_loadu(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float lanes_hsum(Lanes v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
 inline void lanes_store(float* p, Lanes v) { _mm256_store_ps(p, v); }
 inline LaneInts lanes_load_ints(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
 inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }

@@ -1,10 +1,18 @@
-// linear_widened: input @ weight.T (+ bias) for a bfloat16 or float16 weight, in float32
-// arithmetic, the weight staying 16-bit in memory. For CPUs without 16-bit dot products (no
-// AVX512-BF16 / AMX), where torch's own bfloat16 matmul runs several times slower than float32:
-// each thread widens a block of weight rows into a float32 buffer that stays in its L2 and hands
-// it to the float32 GEMM (MKL/OpenBLAS through at::mm), so the arithmetic runs at float32 speed while
-// memory carries half the bytes. The widening is compiled per instruction set (isa.h): F16C turns
-// float16 into float32 eight at a time, bfloat16 is a shift.
+// linear_widened: input @ weight.T (+ bias) in float32 arithmetic for a float32, bfloat16 or
+// float16 weight, a 16-bit weight staying 16-bit in memory. Two paths:
+// - few input rows (decode, a speculative verify: at most kStreamRows): the weight is streamed
+//   once, each weight row meeting every input row while it is in registers. The float32 GEMM of
+//   the build (MKL) takes about as long per row at 2-8 rows as at one on AMD Zen 3 (4-5 G FMA/s on
+//   one core, bench/RESULTS.md), so a 5-token verify cost five decodes; streamed, the step reads
+//   the weight once whatever the rows, at memory speed.
+// - more rows: for CPUs without 16-bit dot products (no AVX512-BF16 / AMX), where torch's own
+//   bfloat16 matmul runs several times slower than float32, each thread widens a block of weight
+//   rows into a float32 buffer that stays in its L2 and hands it to the float32 GEMM (at::mm), so
+//   the arithmetic runs at float32 speed while memory carries half the bytes. A float32 weight
+//   goes to at::mm as it is.
+// The loads are compiled per instruction set (isa.h, lanes.h): F16C turns float16 into float32
+// eight at a time, bfloat16 is a shift. The streamed path needs lanes.h's vectors (AVX2 + FMA, or
+// AVX-512); the scalar variant (aarch64 today) takes the GEMM path at every row count.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +28,7 @@
 #include <vector>
 
 #include "cpu/isa.h"
+#include "cpu/lanes.h"
 
 namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
@@ -28,6 +37,13 @@ namespace {
 // leaving room for the rows of the input it meets.
 constexpr int64_t kBlockBytes = 256 * 1024;
 constexpr int64_t kMinBlockRows = 8;
+// Up to this many input rows take the streamed path: on AMD Zen 3 (2 threads, bench/linear_cpu.py
+// --rows) it beats MKL's GEMM at every shape of Qwen3-0.6B up to 24 rows, and loses at 32 with K = 3072.
+constexpr int64_t kStreamRows = 24;
+// Input rows that share one pass over a weight row (their accumulators fill the vector registers).
+constexpr int kRowGroup = 4;
+// Weight rows per parallel task: enough work to amortize a task, many tasks for the threads.
+constexpr int64_t kStreamTaskRows = 64;
 
 inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
@@ -62,11 +78,70 @@ void widened_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
   });
 }
 
+#if defined(MINIPAGED_LANES)
+// out[m * ldo] = dot(x[m], w) for the M (<= kRowGroup) input rows at x (row stride k), one weight
+// row. U steps of kLanes at a time: M * U independent FMA chains (at least 4, covering the FMA
+// latency so that even a lone decode row runs at memory speed).
+template <int M, typename scalar_t>
+inline void dot_rows(const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+  Lanes acc[U][M];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[u][m] = lanes_zero();
+  int64_t i = 0;
+  for (; i + U * kLanes <= k; i += U * kLanes) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const Lanes wv = lanes_loadu(w + i + u * kLanes);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[u][m] = lanes_fmadd(wv, lanes_loadu(x + m * k + i + u * kLanes), acc[u][m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    Lanes total = acc[0][m];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][m]);
+    float sum = lanes_hsum(total);
+    for (int64_t j = i; j < k; ++j) sum += static_cast<float>(w[j]) * x[m * k + j];
+    out[m * ldo] = sum;
+  }
+}
+
+// out = x @ w.T for rows <= kStreamRows: each weight row read from memory once, meeting the input
+// rows a group of kRowGroup at a time (a later group finds the row in L1).
+template <typename scalar_t>
+void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
+  const float* xs = x.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, n, kStreamTaskRows, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const scalar_t* wj = w + j * k;
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
+        const float* xm = xs + m0 * k;
+        float* om = os + m0 * n + j;
+        switch (std::min<int64_t>(kRowGroup, rows - m0)) {
+          case 1: dot_rows<1>(xm, wj, k, om, n); break;
+          case 2: dot_rows<2>(xm, wj, k, om, n); break;
+          case 3: dot_rows<3>(xm, wj, k, om, n); break;
+          default: dot_rows<4>(xm, wj, k, om, n); break;
+        }
+      }
+    }
+  });
+}
+
+#endif  // MINIPAGED_LANES
+
 at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2, "linear_widened: weight must be 2-D [out_features, in_features], got ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf,
-              "linear_widened: weight must be bfloat16 or float16, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+                  weight.scalar_type() == at::kHalf,
+              "linear_widened: weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "linear_widened: input's last dimension (",
               input.dim() ? input.size(-1) : 0, ") must equal weight's in_features (", weight.size(1), ")");
   TORCH_CHECK(input.is_floating_point(), "linear_widened: input must be floating point, got ", input.scalar_type());
@@ -82,6 +157,14 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
   if (rows > 0 && n > 0) {
     if (k == 0) {
       out.zero_();
+#if defined(MINIPAGED_LANES)
+    } else if (rows <= kStreamRows) {
+      if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
+      else if (w.scalar_type() == at::kBFloat16) streamed_gemm(x, w.data_ptr<c10::BFloat16>(), out);
+      else streamed_gemm(x, w.data_ptr<c10::Half>(), out);
+#endif
+    } else if (w.scalar_type() == at::kFloat) {
+      at::mm_out(out, x, w.t());
     } else if (w.scalar_type() == at::kBFloat16) {
       widened_gemm(x, w.data_ptr<c10::BFloat16>(), out);
     } else {

@@ -44,13 +44,17 @@ class VerifyRow:
     output_ids: Sequence[int]
     seed: int
     eos_token_ids: frozenset
-    matcher: None = None  # sequences with structured outputs do not speculate (see speculator)
+    matcher: object = None  # structured outputs: the grammar's mask at this position (a FilledMask)
 
 
 def verify_rows(row, proposals: Sequence[int]) -> list[VerifyRow]:
-    """``1 + len(proposals)`` rows: after the sequence's last token, then after each proposal."""
+    """``1 + len(proposals)`` rows: after the sequence's last token, then after each proposal.
+    With structured outputs each row carries the grammar's mask at its position (the proposals
+    are ones the grammar accepts: ``Speculator.propose``), so the target's distribution there is
+    the constrained one, as without speculation."""
     out = list(row.output_ids)
-    return [VerifyRow(row.params, row.prompt_token_ids, out + list(proposals[:j]), row.seed, row.eos_token_ids)
+    masks = [None] * (len(proposals) + 1) if row.matcher is None else row.matcher.masks_along(proposals)
+    return [VerifyRow(row.params, row.prompt_token_ids, out + list(proposals[:j]), row.seed, row.eos_token_ids, masks[j])
             for j in range(len(proposals) + 1)]
 
 

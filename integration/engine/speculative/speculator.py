@@ -54,15 +54,15 @@ class Speculator:
 
     def propose(self, seq, limit: int) -> list[int]:
         """Proposals to follow a decoding sequence's last token: at most ``limit``, never past its
-        ``max_tokens`` or the engine's ``max_model_len``. A sequence with structured outputs
-        proposes nothing: its grammar matcher would have to be advanced through each proposal for
-        the masks of the positions after it and rolled back past the rejected ones (not built), so
-        it decodes one token at a time under its constraint."""
-        if seq.matcher is not None:
-            return []
+        ``max_tokens`` or the engine's ``max_model_len``. With structured outputs, only the
+        leading proposals its grammar accepts (a forbidden one could never be kept); the verify
+        rows then carry the grammar's mask at each position (``acceptance.verify_rows``)."""
         room = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        proposals = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        if proposals and seq.matcher is not None:
+            proposals = proposals[:seq.matcher.allowed_prefix(proposals)]
+        return proposals
 
     def record(self, proposed: int, accepted: int) -> None:
         """One verified chunk's outcome."""
