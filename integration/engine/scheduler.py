@@ -79,7 +79,9 @@ class Scheduler:
         by_importance = sorted(self.running, key=self.key)
         decodes = [s for s in by_importance if s.num_uncomputed == 1]
         prefills = [s for s in by_importance if s.num_uncomputed > 1]
-        speculate = self.speculator is not None and self.speculator.begin_step(len(decodes))
+        # prompt tokens this step (running prefills, or waiting ones with a free slot) make it compute-bound
+        computes_prompts = bool(prefills) or bool(self.waiting) and self._slots_taken() < self.max_num_seqs
+        speculate = self.speculator is not None and self.speculator.begin_step(len(decodes), computes_prompts)
         for seq in decodes + prefills:
             if seq.status != Status.RUNNING or budget == 0:
                 continue

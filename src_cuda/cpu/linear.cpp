@@ -79,56 +79,74 @@ void widened_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
 }
 
 #if defined(MINIPAGED_LANES)
-// out[m * ldo] = dot(x[m], w) for the M (<= kRowGroup) input rows at x (row stride k), one weight
-// row. U steps of kLanes at a time: M * U independent FMA chains (at least 4, covering the FMA
-// latency so that even a lone decode row runs at memory speed).
-template <int M, typename scalar_t>
-inline void dot_rows(const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
-  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
-  Lanes acc[U][M];
+// out[r + m * ldo] = dot(x[m], w[r]) for the M (<= kRowGroup) input rows at x (row stride k) and
+// R (1 or 2) weight rows at w: each input vector loaded once serves R weight rows, each weight
+// vector M input rows (on AVX2, 2 x 4 accumulators leave registers for the loads). U steps of
+// kLanes at a time: R * M * U independent FMA chains (at least 4, covering the FMA latency so
+// that even a lone decode row runs at memory speed).
+template <int M, int R, typename scalar_t>
+inline void dot_tile(const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
+  constexpr int U = R * M >= 4 ? 1 : 4 / (R * M);
+  Lanes acc[U][R][M];
 #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) acc[u][m] = lanes_zero();
+      for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
   int64_t i = 0;
   for (; i + U * kLanes <= k; i += U * kLanes) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      const Lanes wv = lanes_loadu(w + i + u * kLanes);
+      Lanes wv[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) wv[r] = lanes_loadu(w + r * k + i + u * kLanes);
 #pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) acc[u][m] = lanes_fmadd(wv, lanes_loadu(x + m * k + i + u * kLanes), acc[u][m]);
+      for (int m = 0; m < M; ++m) {
+        const Lanes xv = lanes_loadu(x + m * k + i + u * kLanes);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) acc[u][r][m] = lanes_fmadd(wv[r], xv, acc[u][r][m]);
+      }
     }
   }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) {
-    Lanes total = acc[0][m];
+    for (int m = 0; m < M; ++m) {
+      Lanes total = acc[0][r][m];
 #pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][m]);
-    float sum = lanes_hsum(total);
-    for (int64_t j = i; j < k; ++j) sum += static_cast<float>(w[j]) * x[m * k + j];
-    out[m * ldo] = sum;
+      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r][m]);
+      float sum = lanes_hsum(total);
+      for (int64_t j = i; j < k; ++j) sum += static_cast<float>(w[r * k + j]) * x[m * k + j];
+      out[r + m * ldo] = sum;
+    }
   }
 }
 
-// out = x @ w.T for rows <= kStreamRows: each weight row read from memory once, meeting the input
-// rows a group of kRowGroup at a time (a later group finds the row in L1).
+template <int R, typename scalar_t>
+inline void dot_group(int64_t group, const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
+  switch (group) {
+    case 1: dot_tile<1, R>(x, w, k, out, ldo); break;
+    case 2: dot_tile<2, R>(x, w, k, out, ldo); break;
+    case 3: dot_tile<3, R>(x, w, k, out, ldo); break;
+    default: dot_tile<4, R>(x, w, k, out, ldo); break;
+  }
+}
+
+// out = x @ w.T for rows <= kStreamRows: each weight row read from memory once, two at a time,
+// meeting the input rows a group of kRowGroup at a time (a later group finds the rows in L1).
 template <typename scalar_t>
 void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  at::parallel_for(0, n, kStreamTaskRows, [&](int64_t first, int64_t last) {
-    for (int64_t j = first; j < last; ++j) {
-      const scalar_t* wj = w + j * k;
+  at::parallel_for(0, (n + 1) / 2, kStreamTaskRows / 2, [&](int64_t first, int64_t last) {
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t j = 2 * pair;
       for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
-        const float* xm = xs + m0 * k;
-        float* om = os + m0 * n + j;
-        switch (std::min<int64_t>(kRowGroup, rows - m0)) {
-          case 1: dot_rows<1>(xm, wj, k, om, n); break;
-          case 2: dot_rows<2>(xm, wj, k, om, n); break;
-          case 3: dot_rows<3>(xm, wj, k, om, n); break;
-          default: dot_rows<4>(xm, wj, k, om, n); break;
-        }
+        const int64_t group = std::min<int64_t>(kRowGroup, rows - m0);
+        if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+        else dot_group<1>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
       }
     }
   });

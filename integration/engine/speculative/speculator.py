@@ -3,8 +3,9 @@ sequence proposes, and the counters (vLLM's ``spec_decode_*``).
 
 Speculation switches itself off where it does not pay, and says why (``stats()``):
 
-* a step with more than ``MAX_DECODES`` decoding sequences: the forward is no longer bound by
-  reading the weights once, so every verified token costs about as much as a decoded one;
+* a step with more than ``MAX_DECODES`` decoding sequences, or one that computes prompt tokens
+  too: the forward is no longer bound by reading the weights once, so every verified token costs
+  about as much as a decoded one (and would take the step's token budget from the prompts);
 * a measured acceptance below ``MIN_ACCEPTANCE`` accepted tokens per proposed token (an
   exponential average): rejected proposals cost verify work and give nothing. It is measured
   again every ``PROBE_EVERY`` steps, since a workload may change.
@@ -40,11 +41,13 @@ class Speculator:
         self.off_reason: Optional[str] = None
         self._steps = 0
 
-    def begin_step(self, num_decodes: int) -> bool:
+    def begin_step(self, num_decodes: int, computes_prompts: bool = False) -> bool:
         """Whether this step speculates (see the module for when it does not)."""
         self._steps += 1
         if num_decodes > MAX_DECODES:
             self.off_reason = f"{num_decodes} decoding sequences > {MAX_DECODES}: the step is compute-bound"
+        elif computes_prompts:
+            self.off_reason = "the step computes prompt tokens: it is compute-bound"
         elif self.acceptance is not None and self.acceptance < MIN_ACCEPTANCE and self._steps % PROBE_EVERY:
             self.off_reason = (f"acceptance {self.acceptance:.2f} < {MIN_ACCEPTANCE} accepted per proposed token "
                                f"(measured again every {PROBE_EVERY} steps)")
