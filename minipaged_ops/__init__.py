@@ -17,6 +17,7 @@ except ImportError as err:  # pragma: no cover - only on a broken install
 
 from . import reference
 from ._ops import (
+    apply_token_bitmask_,
     build_info,
     compiled_backends,
     copy_blocks,
@@ -34,6 +35,7 @@ __all__ = [
     "KVBlockManager",
     "OutOfBlocksError",
     "allocate_kv_cache",
+    "apply_token_bitmask_",
     "build_info",
     "compiled_backends",
     "copy_blocks",

@@ -106,10 +106,20 @@ def copy_blocks(
 
 
 def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``input @ weight.T + bias`` for a bfloat16 or float16 ``weight`` (``[out_features,
-    in_features]``), computed in float32 with the weight widened a block of rows at a time (it stays
-    16-bit in memory); returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products."""
+    """``input @ weight.T + bias`` for a float32, bfloat16 or float16 ``weight`` (``[out_features,
+    in_features]``), computed in float32 (a 16-bit weight stays 16-bit in memory): up to 24 input
+    rows stream the weight once for all of them, more widen it a block of rows at a time into the
+    float32 GEMM. Returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products and
+    for few-row steps (decode, speculative verify)."""
     return _ops.linear_widened(input, weight, bias)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor) -> None:
+    """In place: ``logits[r, t] = -inf`` for each row ``r`` of ``indices`` (int64) and each token
+    ``t`` whose bit is clear in ``bitmask[r]`` (int32 ``[rows, ceil(vocab / 32)]``, token ``t`` at
+    bit ``t % 32`` of word ``t // 32``, xgrammar's layout); tokens past the bitmask are masked too.
+    CPU only: a grammar's allowed tokens (structured outputs)."""
+    _ops.apply_token_bitmask_(logits, bitmask, indices)
 
 
 @torch.library.register_fake("minipaged::linear_widened")

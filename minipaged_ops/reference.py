@@ -1,8 +1,8 @@
 """Pure-PyTorch versions of every minipaged op: slow, obvious, the oracle of the tests.
 
-Each function follows the op contract in DESIGN.md exactly, including its corner cases
-(negative slots are skipped, ``seq_len == 0`` gives a zero row, table entries past a
-sequence's length are never looked at). They compute in whatever dtype they are handed;
+Each function follows its op's contract (the schema comments in src_cuda/registration.cpp)
+exactly, including its corner cases (negative slots are skipped, ``seq_len == 0`` gives a zero
+row, table entries past a sequence's length are never looked at). They compute in whatever dtype they are handed;
 the tests hand them float64.
 """
 
@@ -129,3 +129,14 @@ def copy_blocks(key_cache, value_cache, block_mapping, key_scale=None, value_sca
         if key_cache.dtype == torch.int8:
             key_scale[dst] = key_scale[src]
             value_scale[dst] = value_scale[src]
+
+
+def apply_token_bitmask_(logits, bitmask, indices) -> None:
+    """``logits[r, t] = -inf`` for each row ``r`` of ``indices`` and each token ``t`` whose bit
+    ``t % 32`` of ``bitmask[r, t // 32]`` is clear, or that lies past the bitmask."""
+    vocab = logits.shape[1]
+    for r in indices.tolist():
+        words = bitmask[r].tolist()
+        for t in range(vocab):
+            if t // 32 >= len(words) or not (words[t // 32] >> (t % 32)) & 1:
+                logits[r, t] = float("-inf")

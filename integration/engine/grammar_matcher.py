@@ -30,6 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
+import minipaged_ops
+
 from .strict_json import OUTSIDE
 from .structured_outputs import CompiledConstraint
 
@@ -156,11 +158,16 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence, vocab_size: Option
         _filler().batch_fill_next_token_bitmask([m._matcher for _, m in live], bitmask, [i for i, _ in live])
         for i, m in live:
             m._restrict(bitmask, i)
-    import xgrammar
+    if logits.device.type == "cpu" and logits.shape[1] == vocab_size and logits.stride(1) == 1:
+        # a word at a time: ~15x faster than xgrammar's CPU apply on nearly-closed rows (bench/RESULTS.md)
+        minipaged_ops.apply_token_bitmask_(logits, bitmask, torch.tensor(constrained, dtype=torch.long))
+    elif logits.device.type == "cpu":
+        import xgrammar
 
-    if logits.device.type == "cpu":
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=constrained)
     else:
+        import xgrammar
+
         xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=vocab_size, indices=constrained, backend="torch_native")
 
