@@ -11,6 +11,7 @@ test_speculative_units.py.
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 import re
@@ -41,6 +42,21 @@ def model_of(seed=0):
 
 def ngram(k, n_max=3, n_min=1):
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}
+
+
+def draft(k, seed=1, noise=0.5):
+    """A draft model: the target with every weight perturbed by ``noise`` times its spread (seeded),
+    so that it agrees with the target often but not always; seed 0: the target itself, whose every
+    proposal is kept."""
+    if seed == 0:
+        return {"method": "draft_model", "model": model_of(), "num_speculative_tokens": k}
+    model = copy.deepcopy(model_of())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * noise)
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
 
 
 def prompts_of(lengths, seed=0, prefix=()):
@@ -106,13 +122,13 @@ def assert_all_blocks_free(engine):
     assert bm.num_free_blocks == bm.num_blocks and bm.usage()["blocks_used"] == 0 and not bm.sequence_ids()
 
 
-def both(prompts, params, engine_kwargs, k, **run_kwargs):
+def both(prompts, params, engine_kwargs, k, config=None, **run_kwargs):
     """The same workload with speculation off, then on: (plain outputs, spec outputs, spec engine);
     speculation must not take more steps, and fewer for one request whose proposals were kept
     (with several, the last to arrive may set the count)."""
     plain_engine = LLMEngine(model_of(), **engine_kwargs)
     plain = run(plain_engine, prompts, params, **run_kwargs)
-    engine = LLMEngine(model_of(), speculative_config=ngram(k), **engine_kwargs)
+    engine = LLMEngine(model_of(), speculative_config=config or ngram(k), **engine_kwargs)
     spec = run(engine, prompts, params, **run_kwargs)
     assert engine.stats()["steps"] <= plain_engine.stats()["steps"]
     if engine.stats()["spec_decode_num_accepted_tokens"] and len(prompts) == 1:
@@ -216,7 +232,9 @@ def test_speculation_switches_itself_off_and_says_why(monkeypatch):
 
 @pytest.mark.parametrize("config, match", [
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "model"),
+    ({"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -282,8 +300,9 @@ def test_the_server_flag_reaches_the_engine_and_metrics_count_under_vllm_names()
 
 
 def test_structured_outputs_decode_one_token_at_a_time_under_their_constraint():
-    """A request with structured outputs proposes nothing (its grammar matcher is not rolled back
-    through rejected proposals), so it keeps its constraint; the others speculate beside it."""
+    """A request with structured outputs speculates under its constraint (only proposals its
+    grammar allows, each position verified under its mask: test_structured_outputs.py) and keeps
+    it; an unconstrained one speculates beside it."""
     pytest.importorskip("xgrammar")
     pytest.importorskip("tokenizers")
     from minipaged_ops.integration.engine import StructuredOutputsParams
@@ -304,3 +323,80 @@ def test_structured_outputs_decode_one_token_at_a_time_under_their_constraint():
     assert re.fullmatch("(ab|cd)+x?", spec_c.outputs[0].text), spec_c.outputs[0].text
     assert engine.stats()["spec_decode_num_drafts"] > 0  # the free request speculated
     assert_all_blocks_free(engine)
+
+
+# ------------------------------------------------------------------ draft model
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_model_greedy_equals_without(k):
+    prompts = prompts_of([5, 17, 9, 30], seed=k + 40)
+    plain, spec, engine = both(prompts, SamplingParams(max_tokens=30), dict(num_blocks=96, block_size=4), k,
+                               config=draft(k), arrive_every=3)
+    assert_same_outputs(spec, plain)
+    assert_kept_and_rejected(engine)
+    assert_all_blocks_free(engine)
+
+
+def test_a_draft_that_is_the_target_has_every_proposal_kept():
+    prompts = prompts_of([7, 12], seed=45)
+    plain, spec, engine = both(prompts, SamplingParams(max_tokens=24), dict(num_blocks=64, block_size=4), 4,
+                               config=draft(4, seed=0))
+    assert_same_outputs(spec, plain)
+    s = engine.stats()
+    assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_sampled_under_preemption_and_failed_steps(mode):
+    """The draft's cache follows each sequence through preemption, rolled-back steps and rejected
+    proposals (cut back to what the sequence holds), and its pool empties when the sequences end."""
+    system = prompts_of([12], seed=46)[0]
+    prompts = prompts_of([3, 14, 7, 20, 5], seed=47, prefix=system)
+    max_tokens, block_size = 20, 4
+    peak = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts)
+    kwargs = dict(num_blocks=peak // 2, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=16,
+                  preemption_mode=mode)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=max_tokens)
+    plain, spec, engine = both(prompts, params, kwargs, 3, config=draft(3, seed=2), fail_at=(5, 11))
+    assert_same_outputs(spec, plain)
+    assert engine.stats()["preemptions"] > 0 and engine.stats()["spec_decode_num_drafts"] > 0
+    assert_all_blocks_free(engine)
+    engine.step()  # nothing runs: the draft lets go of the last sequences it held
+    pool = engine.speculator.proposer.pool.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_draft_of_another_vocabulary_is_refused():
+    other = tiny_model("qwen3", vocab=VOCAB + 1, seed=3, hidden=32, heads=2, kv_heads=1, head_dim=16, layers=1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(model_of(), num_blocks=16, block_size=4,
+                  speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+def test_the_draft_proposes_its_own_greedy_continuation_after_any_edit():
+    """DraftModelProposer against the draft's own generate() (sdpa) on the same tokens, as the
+    sequence grows by kept proposals, is cut back by rejections and rollbacks, and restarts."""
+    from minipaged_ops.integration.engine.speculative.draft_model import DraftModelProposer
+
+    model = copy.deepcopy(model_of())
+    proposer = DraftModelProposer(model, 4, num_blocks=32, block_size=4)
+
+    def expected(tokens, k):
+        model.set_attn_implementation("sdpa")
+        out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                             max_new_tokens=k, do_sample=False, min_new_tokens=k)[0, len(tokens):].tolist()
+        model.set_attn_implementation("minipaged")
+        return out
+
+    rng = random.Random(48)
+    tokens = prompts_of([9], seed=48)[0]
+    for step in range(12):
+        got = proposer.propose("s", tokens, 4)
+        assert got == expected(tokens, 4), step
+        kept = rng.randrange(0, 5)  # some proposals kept, then a token of the target's own
+        tokens = tokens + got[:kept] + [rng.randrange(3, VOCAB)]
+        if step == 6:
+            tokens = tokens[:-5]  # a rolled-back step / recompute: shorter than what the draft holds
+    proposer.retain(set())
+    assert proposer.pool.block_manager.num_free_blocks == 32

@@ -40,7 +40,7 @@ from .sampler import Sampler
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import Scheduler
 from .speculative.config import SpeculativeConfig
-from .speculative.speculator import Speculator
+from .speculative.speculator import Speculator, make_proposer
 from .stats import StatsLog
 from .structured_outputs import GrammarCompilerCache
 from .step_runner import MAX_FAILURES, StepRunner
@@ -78,9 +78,11 @@ class LLMEngine(EngineParts):
         max_model_len: the longest sequence (prompt + generated); None: the model's positions or
             the pool's tokens, whichever is fewer. A pool sized from memory is sized for it.
         speculative_config: vLLM's, as a dict or its JSON text: ``{"method": "ngram",
-            "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` (see
-            ``speculative``): decoding sequences propose up to k tokens from their own history and
-            one forward keeps those the model agrees with; the tokens are those without it.
+            "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` or
+            ``{"method": "draft_model", "model": PATH_OR_MODULE, "num_speculative_tokens": k}`` (see
+            ``speculative``): decoding sequences propose up to k tokens (from their own history, or
+            a smaller model's argmax on a pool of its own) and one forward keeps those the model
+            agrees with; the tokens are those without it.
     """
 
     kv_pool_class = KVPool  # a tensor-parallel driver's engine uses a pool that records its moves
@@ -118,7 +120,8 @@ class LLMEngine(EngineParts):
                                        **({"calculate_kv_scales": True} if calculate_kv_scales else {}))
         self.stats_log = StatsLog()
         self.speculator = None if self.speculative_config is None else Speculator(
-            self.speculative_config, self.stats_log.counters, max_model_len)
+            self.speculative_config, self.stats_log.counters, max_model_len,
+            make_proposer(self.speculative_config, target=model, num_blocks=num_blocks, block_size=block_size))
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
                                    isolate_after=MAX_FAILURES - 1, speculator=self.speculator)

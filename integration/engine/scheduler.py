@@ -81,6 +81,8 @@ class Scheduler:
         prefills = [s for s in by_importance if s.num_uncomputed > 1]
         # prompt tokens this step (running prefills, or waiting ones with a free slot) make it compute-bound
         computes_prompts = bool(prefills) or bool(self.waiting) and self._slots_taken() < self.max_num_seqs
+        if self.speculator is not None:
+            self.speculator.retain({s.seq_id for s in self.running})
         speculate = self.speculator is not None and self.speculator.begin_step(len(decodes), computes_prompts)
         for seq in decodes + prefills:
             if seq.status != Status.RUNNING or budget == 0:

@@ -1,8 +1,9 @@
 """``speculative_config``: vLLM's keys, checked once when the engine is built.
 
-``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``.
-A key or a method this engine does not implement is refused with an error naming it, never
-accepted and ignored ("draft_model" is not implemented yet).
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``
+or ``{"method": "draft_model", "model": PATH_OR_MODULE, "num_speculative_tokens": k}``. A key or a
+method this engine does not implement is refused with an error naming it, never accepted and
+ignored (the prompt-lookup keys belong to "ngram" only).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 
 __all__ = ["SpeculativeConfig"]
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-METHODS = ("ngram",)
+_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+         "draft_model": ("method", "model", "num_speculative_tokens")}
+METHODS = tuple(_KEYS)
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    model: object = None  # draft_model: a folder or a module
 
     @classmethod
     def parse(cls, config) -> "SpeculativeConfig | None":
@@ -37,11 +40,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         method = config.get("method")
         if method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {list(METHODS)}, got {method!r}"
-                             + (" (draft-model speculation is not implemented yet)" if method == "draft_model" else ""))
-        unknown = sorted(set(config) - set(_KEYS))
+            raise ValueError(f"speculative_config: method must be one of {list(METHODS)}, got {method!r}")
+        unknown = sorted(set(config) - set(_KEYS[method]))
         if unknown:
-            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {list(_KEYS)}")
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown} for method {method!r}; "
+                             f"supported: {list(_KEYS[method])}")
+        if method == "draft_model" and config.get("model") is None:
+            raise ValueError("speculative_config: model (a folder or a module) is required for method 'draft_model'")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         k = config["num_speculative_tokens"]
@@ -49,5 +54,5 @@ class SpeculativeConfig:
         n_min = config.get("prompt_lookup_min", 1)
         from .ngram import NgramProposer
 
-        NgramProposer(k, n_max, n_min)  # ValueError naming a bad value
-        return cls(method, k, n_max, n_min)
+        NgramProposer(k, n_max, n_min)  # ValueError naming a bad value (k too)
+        return cls(method, k, n_max, n_min, config.get("model"))

@@ -23,7 +23,7 @@ from .acceptance import num_accepted, verify_rows
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 
-__all__ = ["Speculator", "num_accepted", "verify_rows"]
+__all__ = ["Speculator", "make_proposer", "num_accepted", "verify_rows"]
 
 MAX_DECODES = 8
 MIN_ACCEPTANCE = 0.25
@@ -31,15 +31,35 @@ PROBE_EVERY = 32
 _SMOOTHING = 0.1  # weight of the newest step in the acceptance average
 
 
+def make_proposer(config: SpeculativeConfig, *, target, num_blocks: int, block_size: int):
+    """The proposer ``config.method`` names: n-gram lookup, or a draft model on a pool of
+    ``num_blocks`` blocks of ``block_size`` (the target's) in the target's dtype and device."""
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    from ..engine_args import text_config
+    from .draft_model import DraftModelProposer, load_draft_model
+
+    param = next(target.parameters())
+    draft = load_draft_model(config.model, dtype=param.dtype, device=param.device,
+                             vocab_size=text_config(target).vocab_size)
+    return DraftModelProposer(draft, config.num_speculative_tokens, num_blocks=num_blocks, block_size=block_size)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, counters: Counter, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, counters: Counter, max_model_len: int, proposer=None):
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.proposer = proposer if proposer is not None else NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
         self.counters = counters  # the engine's step counters (a failed step's are put back)
         self.max_model_len = max_model_len
         self.acceptance: Optional[float] = None  # accepted per proposed token, averaged
         self.off_reason: Optional[str] = None
         self._steps = 0
+
+    def retain(self, seq_ids) -> None:
+        """The running sequences: a draft model frees what it holds for any other."""
+        if hasattr(self.proposer, "retain"):
+            self.proposer.retain(seq_ids)
 
     def begin_step(self, num_decodes: int, computes_prompts: bool = False) -> bool:
         """Whether this step speculates (see the module for when it does not)."""
@@ -62,7 +82,12 @@ class Speculator:
         rows then carry the grammar's mask at each position (``acceptance.verify_rows``)."""
         room = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
-        proposals = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        if room <= 0:
+            proposals = []
+        elif isinstance(self.proposer, NgramProposer):
+            proposals = self.proposer.propose(seq.token_ids, room)
+        else:  # a draft model keeps a cache per sequence
+            proposals = self.proposer.propose(seq.seq_id, seq.token_ids, room)
         if proposals and seq.matcher is not None:
             proposals = proposals[:seq.matcher.allowed_prefix(proposals)]
         return proposals
