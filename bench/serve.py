@@ -18,6 +18,9 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
                         # adds "engine, speculative" (the same engine with speculative decoding)
     python bench/serve.py --workload repeat --systems engine --max-num-seqs 1 --speculative-config '...'
                         # outputs that copy an edited text out of their prompt (a scripted model)
+    python bench/serve.py --workload repeat --layers 28 --systems engine --speculative-config \
+        '{"method": "draft_model", "num_speculative_tokens": 4}' --draft-layers 1
+                        # a draft model: the bench model's shape with --draft-layers layers
     python bench/serve.py --systems engine --kv-cache-dtype auto,int8,fp8_e4m3 --kv-cache-memory 128e6 --rounds 2
                         # 8-bit KV caches: one engine row per format, all in the same memory (preemption-bound)
 
@@ -48,6 +51,7 @@ per decode (so padding counts, and prefix-cache hits do not).
 from __future__ import annotations
 
 import argparse
+import json
 import csv
 import logging
 import math
@@ -64,6 +68,17 @@ from common import machine_name, print_table  # noqa: E402
 
 QWEN3_06B = dict(vocab=151936, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128)
 TINY = dict(vocab=512, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=32)
+
+
+def bench_model(args, layers: int, dtype):
+    """The random Qwen3 of the benchmark's shape (scripted to copy its text for --workload repeat)."""
+    from minipaged_ops.tiny import script_greedy, tiny_model
+
+    model = tiny_model("qwen3", layers=layers, max_positions=4096, init_range=None,
+                       tie_embeddings=args.workload != "repeat", dtype=dtype, **args.shape)
+    if args.workload == "repeat":
+        script_greedy(model, repeat_texts(args, args.seed)[0])
+    return model
 
 
 def parse_args(argv=None):
@@ -107,6 +122,9 @@ def parse_args(argv=None):
                         "(gloo), each with 1/N of the heads and of the KV cache; plus memory and collectives per rank")
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="adds the row 'engine, speculative': the engine with this speculative_config")
+    s.add_argument("--draft-layers", type=int, default=1,
+                   help="a draft_model config without 'model' gets the bench model's shape with this many "
+                        "layers (scripted like it for --workload repeat)")
     s.add_argument("--systems", default="engine,transformers,static,roof",
                    help="comma-separated subset of engine,transformers,static,roof")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -696,19 +714,13 @@ def main(argv=None) -> int:
     import transformers
 
     import minipaged_ops.integration  # noqa: F401  (registers "minipaged")
-    from minipaged_ops.tiny import tiny_model
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # sizing notes on every start
 
     dtype = getattr(torch, args.dtype)
     vocab = args.shape["vocab"]
-    model = tiny_model("qwen3", layers=args.layers, max_positions=4096, init_range=None,
-                       tie_embeddings=args.workload != "repeat", dtype=dtype, **args.shape)
-    if args.workload == "repeat":
-        from minipaged_ops.tiny import script_greedy
-
-        script_greedy(model, repeat_texts(args, args.seed)[0])
+    model = bench_model(args, args.layers, dtype)
     requests = make_workload(args, vocab, args.seed)
     num_blocks = args.num_blocks or blocks_needed(requests, args.block_size, args.n)
     if args.kv_cache_memory is not None:  # what the model's dtype fits (the engine rows size their own)
@@ -747,8 +759,11 @@ def main(argv=None) -> int:
         runners["engine, no prefix caching"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, no prefix caching", prefix_caching=False)
     if args.speculative_config and "engine" in systems:
+        spec = json.loads(args.speculative_config)
+        if spec.get("method") == "draft_model" and "model" not in spec:
+            spec["model"] = bench_model(args, args.draft_layers, dtype)
         runners["engine, speculative"] = lambda reqs, blocks: run_engine(
-            model, reqs, args, blocks, desc="engine, speculative", speculative_config=args.speculative_config)
+            model, reqs, args, blocks, desc="engine, speculative", speculative_config=spec)
     if args.penalties and "engine" in systems:
         runners["engine, penalties"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, penalties", penalties=True)

@@ -84,6 +84,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.retain({s.seq_id for s in self.running})
         speculate = self.speculator is not None and self.speculator.begin_step(len(decodes), computes_prompts)
+        if speculate:
+            self.speculator.prepare([s for s in decodes if _may_propose(s)], budget - 1)
         for seq in decodes + prefills:
             if seq.status != Status.RUNNING or budget == 0:
                 continue
@@ -163,8 +165,8 @@ class Scheduler:
     def _proposals(self, seq: Sequence, budget: int) -> list[int]:
         """A decoding sequence's speculative proposals that fit the step's token budget and leave
         the pool room for every running sequence's next token (speculation never preempts)."""
-        if not seq.output_ids or (seq.params.n > 1 and not seq.request.forked):
-            return []  # its first token is sampled with the prompt (and forks n > 1 there)
+        if not _may_propose(seq):
+            return []
         proposals = self.speculator.propose(seq, budget - 1)
         if not proposals:
             return []
@@ -284,3 +286,9 @@ def _largest(n: int, blocks_for: Callable[[int], int], room: int) -> int:
 
 def _blocks_to_grow(length: int, n: int, block_size: int) -> int:
     return -(-(length + n) // block_size) - -(-length // block_size)
+
+
+def _may_propose(seq: Sequence) -> bool:
+    """Whether a decoding sequence may speculate: not before its first token, which is sampled
+    with the prompt (and forks n > 1 there)."""
+    return bool(seq.output_ids) and (seq.params.n == 1 or seq.request.forked)

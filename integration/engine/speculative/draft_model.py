@@ -1,9 +1,9 @@
 """Proposals from a draft model: a smaller decoder with the target's vocabulary, on a paged pool of
 its own (the same ``KVPool`` machinery as the engine's), kept in step with each sequence.
 
-For each speculating sequence the draft computes what it lacks of the sequence's tokens (one token
-after a fully accepted chunk, more after a rollback or a preemption) and then its own argmax k
-times, one forward per proposal. Proposing the argmax makes the proposer's distribution one-hot,
+For the step's speculating sequences together, the draft computes what each lacks of its tokens
+(one token after a fully accepted chunk, more after a rollback or a preemption) and then its own
+argmax k times: one packed forward per proposal position for all of them. Proposing the argmax makes the proposer's distribution one-hot,
 so the verify step keeps proposals by the same exact rule as n-gram proposals (``acceptance``):
 outputs are those without speculation whatever the sampling controls.
 
@@ -54,7 +54,8 @@ def load_draft_model(model, *, dtype: torch.dtype, device: torch.device, vocab_s
 
 
 class DraftModelProposer:
-    """``propose(seq_id, token_ids, limit)``: up to ``limit`` tokens the draft expects next."""
+    """``propose_batch([(seq_id, token_ids, limit), ...])``: up to ``limit`` tokens the draft expects
+    next for each sequence (``propose`` for one)."""
 
     def __init__(self, model, num_speculative_tokens: int, *, num_blocks: int, block_size: int):
         param = next(model.parameters())
@@ -73,36 +74,55 @@ class DraftModelProposer:
         for seq_id in [s for s in self._held if s not in seq_ids]:
             self._drop(seq_id)
 
-    @torch.inference_mode()
     def propose(self, seq_id, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
-        k = self.num_speculative_tokens if limit is None else min(limit, self.num_speculative_tokens)
-        if k <= 0 or not token_ids:
-            return []
+        return self.propose_batch([(seq_id, token_ids, limit)]).get(seq_id, [])
+
+    @torch.inference_mode()
+    def propose_batch(self, items) -> dict:
+        """``items``: ``(seq_id, token_ids, limit)`` of the step's speculating sequences; returns
+        ``{seq_id: proposals}``. One draft forward per proposal position for all of them (k forwards
+        a step, not k per sequence)."""
         bm = self.pool.block_manager
-        held = self._held.get(seq_id)
-        if held is None:
-            bm.create_sequence(seq_id, [])
-            held = self._held[seq_id] = []
-        common = _common_prefix(held, token_ids, len(token_ids) - 1)  # the last token is always computed
-        if common < len(held):
-            bm.truncate(seq_id, common)
-            del held[common:]
-        proposals: list[int] = []
-        new = list(token_ids[common:])
-        while len(proposals) < k:
-            if bm.blocks_needed_to_append([(seq_id, len(new))]) > bm.num_free_blocks:
-                self._drop(seq_id)  # no room: this sequence decodes without proposals
-                return proposals
-            start = len(held)
-            bm.append_tokens(seq_id, new)
-            held.extend(new)
-            logits = self._forward(ScheduledChunk(seq_id, new, start))
-            proposals.append(int(logits[-1].argmax()))
-            new = [proposals[-1]]
+        pending = {}  # seq_id -> (tokens to compute next, proposals wanted)
+        for seq_id, token_ids, limit in items:
+            k = self.num_speculative_tokens if limit is None else min(limit, self.num_speculative_tokens)
+            if k <= 0 or not token_ids:
+                continue
+            held = self._held.get(seq_id)
+            if held is None:
+                bm.create_sequence(seq_id, [])
+                held = self._held[seq_id] = []
+            common = _common_prefix(held, token_ids, len(token_ids) - 1)  # the last token is always computed
+            if common < len(held):
+                bm.truncate(seq_id, common)
+                del held[common:]
+            pending[seq_id] = (list(token_ids[common:]), k)
+        proposals: dict = {seq_id: [] for seq_id in pending}
+        while pending:
+            chunks = []
+            for seq_id, (new, _) in list(pending.items()):
+                if bm.blocks_needed_to_append([(seq_id, len(new))]) > bm.num_free_blocks:
+                    self._drop(seq_id)  # no room: it keeps what it has (maybe nothing)
+                    del pending[seq_id]
+                    continue
+                held = self._held[seq_id]
+                chunks.append(ScheduledChunk(seq_id, new, len(held)))
+                bm.append_tokens(seq_id, new)
+                held.extend(new)
+            if not chunks:
+                break
+            choices = self._forward(chunks).argmax(-1).tolist()  # one row per chunk: its last token's
+            for chunk, token in zip(chunks, choices):
+                proposals[chunk.seq_id].append(token)
+                k = pending[chunk.seq_id][1]
+                if len(proposals[chunk.seq_id]) < k:
+                    pending[chunk.seq_id] = ([token], k)
+                else:
+                    del pending[chunk.seq_id]
         return proposals
 
-    def _forward(self, chunk: ScheduledChunk) -> torch.Tensor:
-        meta = plan_step(self.pool.block_manager, [chunk], self.device)
+    def _forward(self, chunks: list) -> torch.Tensor:
+        meta = plan_step(self.pool.block_manager, chunks, self.device)
         return self.model(
             input_ids=meta.input_ids[None], position_ids=meta.position_ids[None], use_cache=False,
             logits_to_keep=meta.logits_indices, minipaged_step=meta, minipaged_kv_caches=self.pool.kv_caches,

@@ -55,6 +55,7 @@ class Speculator:
         self.acceptance: Optional[float] = None  # accepted per proposed token, averaged
         self.off_reason: Optional[str] = None
         self._steps = 0
+        self._prepared: dict = {}  # a draft model's proposals for this step, per sequence
 
     def retain(self, seq_ids) -> None:
         """The running sequences: a draft model frees what it holds for any other."""
@@ -75,19 +76,29 @@ class Speculator:
             self.off_reason = None
         return self.off_reason is None
 
+    def prepare(self, seqs, limit: int) -> None:
+        """The step's speculating sequences, before any ``propose``: a draft model proposes for all
+        of them at once (n-gram lookups need nothing ahead)."""
+        self._prepared = {}
+        if not isinstance(self.proposer, NgramProposer):
+            items = [(s.seq_id, s.token_ids, self._room(s, limit)) for s in seqs]
+            self._prepared = self.proposer.propose_batch([item for item in items if item[2] > 0])
+
+    def _room(self, seq, limit: int) -> int:
+        return min(limit, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - len(seq.token_ids) - 1)
+
     def propose(self, seq, limit: int) -> list[int]:
         """Proposals to follow a decoding sequence's last token: at most ``limit``, never past its
         ``max_tokens`` or the engine's ``max_model_len``. With structured outputs, only the
         leading proposals its grammar accepts (a forbidden one could never be kept); the verify
         rows then carry the grammar's mask at each position (``acceptance.verify_rows``)."""
-        room = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1,
-                   self.max_model_len - len(seq.token_ids) - 1)
+        room = self._room(seq, limit)
         if room <= 0:
             proposals = []
         elif isinstance(self.proposer, NgramProposer):
             proposals = self.proposer.propose(seq.token_ids, room)
-        else:  # a draft model keeps a cache per sequence
-            proposals = self.proposer.propose(seq.seq_id, seq.token_ids, room)
+        else:  # proposed in prepare()
+            proposals = self._prepared.get(seq.seq_id, [])[:room]
         if proposals and seq.matcher is not None:
             proposals = proposals[:seq.matcher.allowed_prefix(proposals)]
         return proposals
