@@ -31,7 +31,7 @@ test: build $(TF_OLDEST_DIR)/.stamp
 # The op tests again under every other CPU kernel variant this CPU runs (the full run above used
 # the best one), forced through MINIPAGED_CPU_ISA.
 OP_TESTS := tests/test_paged_attention.py tests/test_paged_prefill.py tests/test_reshape_and_cache.py tests/test_op_errors.py \
-            tests/test_quantized_kv.py
+            tests/test_quantized_kv.py tests/test_linear16.py
 test-cpu-isas: build
 	@for isa in $$($(PY) -c "import minipaged_ops as m; print(' '.join(m.supported_cpu_isas()[:-1]))"); do \
 	  echo "--- op tests with MINIPAGED_CPU_ISA=$$isa"; \
