@@ -38,6 +38,7 @@ inline Lanes lanes_loadu(const c10::BFloat16* p) {
 inline Lanes lanes_loadu(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
+inline void lanes_storeu(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
 inline LaneInts lanes_load_ints(const void* p) { return _mm512_load_si512(p); }
 inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
 inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
@@ -75,6 +76,7 @@ inline float lanes_hsum(Lanes v) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 inline void lanes_store(float* p, Lanes v) { _mm256_store_ps(p, v); }
+inline void lanes_storeu(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
 inline LaneInts lanes_load_ints(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
 inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
 inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
@@ -96,6 +98,27 @@ inline bool lanes_any_not_one(Lanes v) {
 __attribute__((always_inline, flatten)) inline Lanes lanes_exp(Lanes x) {
   const f32x8 e = exp_vector(reinterpret_cast<const f32x8&>(x));
   return reinterpret_cast<const Lanes&>(e);
+}
+// 16 cache elements widened to float32 as two vectors, for every cache dtype (decode's P.V on
+// AVX2, tile_float.h): load16's f32x16 would have GCC split it again through single-float inserts.
+inline void lanes_load16(const float* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
+inline void lanes_load16(const c10::BFloat16* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
+inline void lanes_load16(const c10::Half* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
+inline void lanes_load16(const int8_t* p, Lanes& lo, Lanes& hi) {
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+}
+// fp8 as vec.h's load16 does it: each byte becomes a float16's bits, converted in hardware.
+inline void lanes_half_bits(__m256i bits, Lanes& lo, Lanes& hi) {
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+}
+inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lanes_half_bits(_mm256_slli_epi16(bytes, 8), lo, hi);
+}
+inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) {
+  const __m256i bytes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lanes_half_bits(_mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))), lo, hi);
 }
 #endif
 

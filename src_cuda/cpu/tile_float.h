@@ -2,6 +2,7 @@
 // and multiply-added, for every cache dtype and instruction set.
 #pragma once
 
+#include "cpu/lanes.h"
 #include "cpu/row_prefetch.h"
 #include "cpu/vec.h"
 
@@ -12,18 +13,27 @@ namespace {
 // loaded once for all GT heads.
 template <int GT>
 struct FloatTile {
+  // The whole query tile in registers (scores_fixed) where it fits beside four tokens' accumulators:
+  // a token then costs D/16 loads instead of (1+GT)*D/16. On AVX-512 that is GT * DV <= 16.
+  template <int DV>
+  static constexpr bool kQueryFits =
+      GT * DV <= kVectorRegisters / 2 && GT * DV + (GT <= 2 ? 4 * GT : GT) + 2 <= kVectorRegisters;
+  // Otherwise kTokens tokens against up to kHeads query heads at a time (tokens_stepped): their
+  // accumulators, the heads' query chunk and one K chunk in registers.
+  static constexpr int kTokens = kVectorRegisters >= 16 ? 4 : 2;
+  static constexpr int kHeads = kVectorRegisters >= 32 ? 4 : kVectorRegisters >= 8 ? 2 : 1;
+
   // scores[g * stride + t] = q[g] . k[t] for the n rows of k (q already scaled).
   template <typename T>
   static void scores(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride,
                      RowPrefetch& pf) {
-    // With the whole query tile in registers, a token costs D/16 loads instead of (1+GT)*D/16.
-    if constexpr (GT * 8 <= 16) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride, pf);
-    if constexpr (GT * 4 <= 16) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
-    if constexpr (GT * 16 <= 16) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
+    if constexpr (kQueryFits<8>) if (D == 128) return scores_fixed<8>(q, k, n, scores, stride, pf);
+    if constexpr (kQueryFits<4>) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
+    if constexpr (kQueryFits<16>) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
     int64_t t = 0;
-    if (D == 128) t = tokens_by_four<8>(q, k, n, scores, stride, pf);
-    if (D == 64) t = tokens_by_four<4>(q, k, n, scores, stride, pf);
-    if (D == 256) t = tokens_by_four<16>(q, k, n, scores, stride, pf);
+    if (D == 128) t = tokens_stepped<8>(q, k, n, scores, stride, pf);
+    if (D == 64) t = tokens_stepped<4>(q, k, n, scores, stride, pf);
+    if (D == 256) t = tokens_stepped<16>(q, k, n, scores, stride, pf);
     const int64_t Dv = D / kW * kW;
     for (; t < n; ++t) {
       pf.upto(t + 1);
@@ -38,38 +48,56 @@ struct FloatTile {
         for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * element_value(kt[d]);
     }
   }
-  // Tiles too big to keep the query in registers: four tokens (rows of k) against H <= 4 query
-  // heads at a time, each 16-element chunk of the H query rows loaded once for all four tokens
-  // (4 + H loads for 4 x H multiply-adds, 4 x H independent chains, one reduction per head).
-  // Returns the tokens done (a multiple of four). DV = head_dim / 16, fixed so that the 4 x H
-  // accumulators stay in registers.
+  // Tiles too big to keep the query in registers: kTokens tokens (rows of k) against H <= kHeads
+  // query heads at a time, each 16-element chunk of the H query rows loaded once for all the tokens
+  // (kTokens + H loads for kTokens x H multiply-adds, as many independent chains, one reduction per
+  // head and token). Returns the tokens done (a multiple of kTokens). DV = head_dim / 16, fixed so
+  // that the accumulators stay in registers.
   template <int DV, typename T>
-  static int64_t tokens_by_four(const float* q, const T* k, int64_t n, float* scores, int64_t stride,
+  static int64_t tokens_stepped(const float* q, const T* k, int64_t n, float* scores, int64_t stride,
                                 RowPrefetch& pf) {
     constexpr int64_t D = DV * kW;
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-      pf.upto(t + 4);
-      four_tokens<DV, (GT < 4 ? GT : 4)>(q, k + t * D, scores + t, stride);
-      if constexpr (GT > 4) four_tokens<DV, GT - 4>(q + 4 * D, k + t * D, scores + 4 * stride + t, stride);
+    for (; t + kTokens <= n; t += kTokens) {
+      pf.upto(t + kTokens);
+      head_groups<DV, 0>(q, k + t * D, scores + t, stride);
     }
     return t;
   }
+  template <int DV, int G0, typename T>
+  __attribute__((always_inline)) static void head_groups(const float* q, const T* k, float* scores, int64_t stride) {
+    constexpr int H = GT - G0 < kHeads ? GT - G0 : kHeads;
+    some_tokens<DV, H>(q + G0 * DV * kW, k, scores + G0 * stride, stride);
+    if constexpr (G0 + H < GT) head_groups<DV, G0 + H>(q, k, scores, stride);
+  }
   template <int DV, int H, typename T>
-  static void four_tokens(const float* q, const T* k, float* scores, int64_t stride) {
+  static void some_tokens(const float* q, const T* k, float* scores, int64_t stride) {
     constexpr int64_t D = DV * kW;
-    f32x16 a[4][H];
+    f32x16 a[kTokens][H];
     auto chunk = [&](int c, auto first) __attribute__((always_inline)) {
       f32x16 qv[H];
       for (int h = 0; h < H; ++h) qv[h] = load(q + h * D + c * kW);
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kTokens; ++i) {
         const f32x16 kv = load16(k + i * D + c * kW);
         for (int h = 0; h < H; ++h) a[i][h] = first ? qv[h] * kv : a[i][h] + qv[h] * kv;
       }
     };
     chunk(0, std::true_type{});  // sets the accumulators: no zeroing, which GCC does in memory
     for (int c = 1; c < DV; ++c) chunk(c, std::false_type{});
-    for (int h = 0; h < H; ++h) store_4_tokens(a[0][h], a[1][h], a[2][h], a[3][h], 1.f, scores + h * stride);
+    if constexpr (kTokens == 4) {
+      for (int h = 0; h < H; ++h) store_4_tokens(a[0][h], a[1][h], a[2][h], a[3][h], 1.f, scores + h * stride);
+    } else {  // two tokens: reduced two heads at a time
+      for (int h = 0; h < H; h += 2) {
+        const f32x16 zero{};
+        const f32x4 s = hsum4(a[0][h], a[1][h], h + 1 < H ? a[0][h + 1] : zero, h + 1 < H ? a[1][h + 1] : zero);
+        scores[h * stride] = s[0];
+        scores[h * stride + 1] = s[1];
+        if (h + 1 < H) {
+          scores[(h + 1) * stride] = s[2];
+          scores[(h + 1) * stride + 1] = s[3];
+        }
+      }
+    }
   }
   template <int DV, typename T>  // DV = head_dim / 16
   static void scores_fixed(const float* q, const T* k, int64_t n, float* scores, int64_t stride, RowPrefetch& pf) {
@@ -105,17 +133,47 @@ struct FloatTile {
   template <typename T>
   static void accumulate(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc,
                          RowPrefetch& pf) {
+#if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+    // AVX2: GT x P accumulators of 16 floats would not fit its 16 ymm registers, and GCC then
+    // lowers the 64-byte vector arithmetic through the stack, 16 bytes at a time (most of a decode
+    // step, in perf). Here in 8-float vectors: GT x P accumulators, P V chunks and a broadcast.
+    constexpr int P = (GT + 1) * 4 + 1 <= 16 ? 4 : 2;  // 8-float chunks, even: V is read 16 at a time
+    int64_t d = 0;
+    for (; d + P * 8 <= D; d += P * 8) panel8<P>(p, stride, v, n, D, acc, d, pf);
+    if constexpr (P > 2) for (; d + 16 <= D; d += 16) panel8<2>(p, stride, v, n, D, acc, d, pf);
+#else
     constexpr int P = GT * 8 <= 16 ? 8 : GT * 4 <= 16 ? 4 : 2;
     int64_t d = 0;
     for (; d + P * kW <= D; d += P * kW) panel<P>(p, stride, v, n, D, acc, d, pf);
     if constexpr (P > 4) for (; d + 4 * kW <= D; d += 4 * kW) panel<4>(p, stride, v, n, D, acc, d, pf);
     if constexpr (P > 2) for (; d + 2 * kW <= D; d += 2 * kW) panel<2>(p, stride, v, n, D, acc, d, pf);
     for (; d + kW <= D; d += kW) panel<1>(p, stride, v, n, D, acc, d, pf);
+#endif
     pf.upto(pf.rows);
     for (; d < D; ++d)
       for (int64_t t = 0; t < n; ++t)
         for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * element_value(v[t * D + d]);
   }
+#if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+  template <int P, typename T>
+  static void panel8(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
+                     RowPrefetch& pf) {
+    Lanes a[GT][P];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) a[g][c] = lanes_loadu(acc + g * D + d + c * 8);
+    for (int64_t t = 0; t < n; ++t) {
+      pf.upto(t + 1);
+      Lanes vv[P];
+      for (int c = 0; c < P; c += 2) lanes_load16(v + t * D + d + c * 8, vv[c], vv[c + 1]);
+      for (int g = 0; g < GT; ++g) {
+        const Lanes pg = lanes_set1(p[g * stride + t]);
+        for (int c = 0; c < P; ++c) a[g][c] = lanes_fmadd(pg, vv[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c) lanes_storeu(acc + g * D + d + c * 8, a[g][c]);
+  }
+#endif
   template <int P, typename T>
   static void panel(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
                     RowPrefetch& pf) {

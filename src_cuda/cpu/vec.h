@@ -42,6 +42,17 @@ using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
 
+// How many 16-float vectors fit in the register file: AVX-512's 32 zmm; AVX2's 16 ymm hold 8 (each
+// vector is two); SSE2 and NEON 128-bit registers, 4 or 8. The head tiles size their accumulators
+// by it: a tile that does not fit spills to the stack on every multiply-add.
+#if defined(__AVX512F__)
+constexpr int kVectorRegisters = 32;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int kVectorRegisters = 8;
+#else
+constexpr int kVectorRegisters = 4;
+#endif
+
 inline f32x16 load(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
 inline void store(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
 inline float hsum(f32x16 v) {
@@ -319,23 +330,37 @@ inline void store_4_tokens(f32x16 a0, f32x16 a1, f32x16 a2, f32x16 a3, float sca
 // Online-softmax update of one head for a block of n scores: rescale the running state to the
 // new max and turn the scores into exp(score - max) in place. The running sum of exponentials
 // stays a 16-lane vector (summed once, at the end) so a block costs no horizontal sum.
+// AVX2 runs it on 8-float vectors: GCC lowers 16-float vector code there through the stack.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+using SoftmaxVector = f32x8;
+#else
+using SoftmaxVector = f32x16;
+#endif
 __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, float& max_score, f32x16& exp_sum,
                                                           float* acc, int64_t D) {
-  // Whole 16-score vectors, the last one padded with -inf (exp gives 0 there), so a block of
-  // 8 costs one vector exp rather than eight scalar ones.
+  // Whole vectors, the last one padded with -inf (exp gives 0 there), so a block of 8 costs one
+  // vector exp rather than eight scalar ones.
+  using V = SoftmaxVector;
+  constexpr int64_t w = sizeof(V) / sizeof(float);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   auto chunk = [&](int64_t t) {
-    if (t + kW <= n) return load(s + t);
-    f32x16 v = f32x16{} + kNegInf;
-    std::memcpy(&v, s + t, (n - t) * sizeof(float));
+    V v;
+    if (t + w <= n) {
+      std::memcpy(&v, s + t, sizeof(v));
+    } else {
+      v = V{} + kNegInf;
+      std::memcpy(&v, s + t, (n - t) * sizeof(float));
+    }
     return v;
   };
-  f32x16 vmax = chunk(0);
-  for (int64_t t = kW; t < n; t += kW) {
-    const f32x16 c = chunk(t);
+  V vmax = chunk(0);
+  for (int64_t t = w; t < n; t += w) {
+    const V c = chunk(t);
     vmax = c > vmax ? c : vmax;
   }
-  const float new_max = std::max(max_score, hmax(vmax));
+  float new_max = vmax[0];
+  for (int i = 1; i < w; ++i) new_max = std::max(new_max, vmax[i]);
+  new_max = std::max(max_score, new_max);
   if (new_max != max_score) [[unlikely]] {
     // Rescales the running state; 0 on the first block. Skipped when the max did not move, the
     // common case once it has settled.
@@ -344,12 +369,20 @@ __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, f
     for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
     max_score = new_max;
   }
-  for (int64_t t = 0; t < n; t += kW) {
-    const f32x16 e = exp16(chunk(t) - new_max);
-    exp_sum += e;
-    if (t + kW <= n) store(s + t, e);
-    else std::memcpy(s + t, &e, (n - t) * sizeof(float));
+  V sum{};
+  for (int64_t t = 0; t < n; t += w) {
+    const V e = exp_vector(chunk(t) - new_max);
+    sum += e;
+    std::memcpy(s + t, &e, std::min(w, n - t) * sizeof(float));
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  float lanes[kW];  // the lanes beyond w stay as they were
+  std::memcpy(lanes, &exp_sum, sizeof(lanes));
+  for (int i = 0; i < w; ++i) lanes[i] += sum[i];
+  std::memcpy(&exp_sum, lanes, sizeof(lanes));
+#else
+  exp_sum += sum;
+#endif
 }
 
 }  // namespace
