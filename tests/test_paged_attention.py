@@ -190,3 +190,19 @@ def test_batch_over_65535_sequences(device):
     expected = minipaged_ops.paged_attention_decode(**small, scale=0.125)
     torch.testing.assert_close(out[[0, 1, 2, num_seqs - 1]], expected, atol=1e-6, rtol=1e-6)
     assert (out[3:num_seqs - 1] == 0).all()
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_score_spike_at_every_lane(dtype, device):
+    # One key per sequence scores ~200 above the rest, at positions 0-31: whichever vector lane
+    # (8 or 16 wide) and block it lands in, a softmax max that missed it would overflow exp.
+    seq_lens = [40] * 32
+    case = make_paged_case(seq_lens, 4, 2, 64, 16, torch.float32, "cpu", seed=5)
+    query, key_cache, tables = case["query"], case["key_cache"], case["block_tables"]
+    query[:, 1::2] = query[:, 0::2]  # both heads of a kv head ask the same
+    for s in range(len(seq_lens)):
+        block = tables[s, s // 16].item()
+        key_cache[block, :, s % 16] = 25.0 * query[s, 0::2] / query[s, 0::2].norm(dim=-1, keepdim=True) * 8.0
+    case = {k: (v.to(dtype) if v.is_floating_point() else v).to(torch_device(device)) for k, v in case.items()}
+    check(case, 64**-0.5, dtype)
