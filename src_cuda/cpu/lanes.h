@@ -101,25 +101,19 @@ __attribute__((always_inline, flatten)) inline Lanes lanes_exp(Lanes x) {
 }
 // 16 cache elements widened to float32 as two vectors, for every cache dtype (decode's P.V on
 // AVX2, tile_float.h): load16's f32x16 would have GCC split it again through single-float inserts.
-inline void lanes_load16(const float* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
-inline void lanes_load16(const c10::BFloat16* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
-inline void lanes_load16(const c10::Half* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
+template <typename T>  // float, bfloat16, float16: lanes_loadu widens them
+inline void lanes_load16(const T* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
 inline void lanes_load16(const int8_t* p, Lanes& lo, Lanes& hi) {
   lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 }
-// fp8 as vec.h's load16 does it: each byte becomes a float16's bits, converted in hardware.
-inline void lanes_half_bits(__m256i bits, Lanes& lo, Lanes& hi) {
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+// fp8: vec.h's half_bits (the bytes as float16 bits), converted by F16C.
+inline void lanes_half_bits(u16x16 bits, Lanes& lo, Lanes& hi) {
+  const __m256i all = reinterpret_cast<const __m256i&>(bits);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(all)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(all, 1));
 }
-inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lanes_half_bits(_mm256_slli_epi16(bytes, 8), lo, hi);
-}
-inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) {
-  const __m256i bytes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lanes_half_bits(_mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))), lo, hi);
-}
+inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
+inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 #endif
 
 }  // namespace

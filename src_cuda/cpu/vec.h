@@ -62,12 +62,15 @@ inline float hsum(f32x16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-inline float hmax(f32x16 v) {
-  auto vmax = [](auto a, auto b) { return a > b ? a : b; };
-  const f32x8 a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-  const f32x4 b = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+inline float hmax(f32x8 a) {
+  const f32x4 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = lo > hi ? lo : hi;
   return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+inline float hmax(f32x16 v) {
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+              hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(lo > hi ? lo : hi);
 }
 
 // The four horizontal sums of a, b, c, d at once: a 4x4 transpose-and-add inside each 128-bit
@@ -226,12 +229,13 @@ inline u16x16 widen_bytes(const void* p) {
   return out;
 #endif
 }
-inline f32x16 load16(const fp8_e5m2* p) { return half_bits_to_float(widen_bytes<false>(p) << 8); }
-inline f32x16 load16(const fp8_e4m3* p) {
-  // Sign-extended and shifted by 7: the sign lands in bits 15 and 14, exponent and mantissa below;
-  // clearing bit 14 leaves e4m3_half_bits.
-  return half_bits_to_float((widen_bytes<true>(p) << 7) & static_cast<uint16_t>(0xBFFF));
-}
+// 16 fp8 bytes as float16 bits: e5m2 is a float16's top byte; e4m3 sign-extended and shifted by 7
+// has its sign in bits 15 and 14, exponent and mantissa below, and clearing bit 14 leaves
+// e4m3_half_bits.
+inline u16x16 half_bits(const fp8_e5m2* p) { return widen_bytes<false>(p) << 8; }
+inline u16x16 half_bits(const fp8_e4m3* p) { return (widen_bytes<true>(p) << 7) & static_cast<uint16_t>(0xBFFF); }
+inline f32x16 load16(const fp8_e5m2* p) { return half_bits_to_float(half_bits(p)); }
+inline f32x16 load16(const fp8_e4m3* p) { return half_bits_to_float(half_bits(p)); }
 // 32 cache elements as two f32x16 (lo: the first 16). Two load16 calls, except for fp8 on AVX-512,
 // where the byte widening and the bit shuffling run once on all 32 (one 512-bit instruction each
 // instead of two 256-bit ones): 8 instructions for 32 e4m3 elements instead of 10, 7 for e5m2
@@ -358,9 +362,7 @@ __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, f
     const V c = chunk(t);
     vmax = c > vmax ? c : vmax;
   }
-  float new_max = vmax[0];
-  for (int i = 1; i < w; ++i) new_max = std::max(new_max, vmax[i]);
-  new_max = std::max(max_score, new_max);
+  const float new_max = std::max(max_score, hmax(vmax));
   if (new_max != max_score) [[unlikely]] {
     // Rescales the running state; 0 on the first block. Skipped when the max did not move, the
     // common case once it has settled.
@@ -373,16 +375,12 @@ __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, f
   for (int64_t t = 0; t < n; t += w) {
     const V e = exp_vector(chunk(t) - new_max);
     sum += e;
-    std::memcpy(s + t, &e, std::min(w, n - t) * sizeof(float));
+    if (t + w <= n) std::memcpy(s + t, &e, sizeof(e));
+    else std::memcpy(s + t, &e, (n - t) * sizeof(float));
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  float lanes[kW];  // the lanes beyond w stay as they were
-  std::memcpy(lanes, &exp_sum, sizeof(lanes));
-  for (int i = 0; i < w; ++i) lanes[i] += sum[i];
-  std::memcpy(&exp_sum, lanes, sizeof(lanes));
-#else
-  exp_sum += sum;
-#endif
+  f32x16 lanes{};  // an 8-float sum fills the first 8 lanes
+  std::memcpy(&lanes, &sum, sizeof(sum));
+  exp_sum += lanes;
 }
 
 }  // namespace
