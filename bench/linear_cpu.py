@@ -11,7 +11,7 @@ a generic loop elsewhere); the bfloat16 weight widened to float32 whole on every
 ``linear_widened`` (few rows: widened in registers, streamed once; more: widened a block of rows at
 a time into the float32 GEMM); int8 per channel
 through torchao's own linear (``Int8WeightOnlyConfig``) and through ATen's ``_weight_int8pack_mm``
-(minipaged's ``Int8Linear``); int4 groups of 128 through ATen's ``_weight_int4pack_mm_for_cpu``
+(minipaged's ``Int8Linear``); int4 groups of 32 through ATen's ``_weight_int4pack_mm_for_cpu``
 (torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except for float32 F.linear.
 """
 
@@ -46,7 +46,7 @@ def ways(k: int, n: int) -> dict:
         "bf16 widen whole": (lambda x: F.linear(x.float(), w16.float()).bfloat16(), torch.bfloat16),
         "bf16 linear_widened": (lambda x: minipaged_ops.linear_widened(x, w16), torch.bfloat16),
         "int8 ATen": (Int8Linear.from_linear(lin16), torch.bfloat16),
-        "int4 ATen": (Int4Linear.from_linear(lin16, 128), torch.bfloat16),
+        "int4 ATen": (Int4Linear.from_linear(lin16, 32), torch.bfloat16),
     }
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_

@@ -1,7 +1,7 @@
 """Weight-only quantization of a model's linear layers: ``quantization="int8"`` (a scale per output
-channel) or ``"int4"`` (asymmetric, a scale and zero point per group of 128 input columns, or 64 or
-32 where 128 does not divide a layer's width), quantized from the weights rounded to bfloat16; the
-layers take and return the model's dtype.
+channel) or ``"int4"`` (asymmetric, a scale and zero point per group of 32 input columns: 5 bits a
+weight, beside llama.cpp's Q4_0 at 4.5), quantized from the weights rounded to bfloat16; the layers
+take and return the model's dtype.
 
 torchao (the PyTorch quantization library) computes the quantized values and scales
 (``Int8Tensor.from_hp`` per row; int4 as its CPU workflow, ``Int4OpaqueTensor.from_hp`` with HQQ's
@@ -25,7 +25,10 @@ from .linear16 import WidenedLinear, widens
 __all__ = ["Int4Linear", "Int8Linear", "QUANTIZATIONS", "check_quantization", "describe_weights", "quantize_weights"]
 
 QUANTIZATIONS = ("int8", "int4")
-INT4_GROUP_SIZES = (128, 64, 32)  # the ones torchao's CPU int4 packing takes, largest first
+# The smallest group torchao's CPU int4 packing takes: on bench/weight_quality.py's model, groups of
+# 32 halve the KL of groups of 64 and quarter that of 128 (bench/RESULTS.md), for ~3% of the
+# kernel's speed at 1-256 rows.
+INT4_GROUP_SIZE = 32
 # Both kernels are vectorized for bfloat16 activations only (float32 ones take a scalar loop, 10-40x
 # slower here), so a float32 model's layers multiply bfloat16-rounded inputs, and their scales are bfloat16.
 ACTIVATION_DTYPE = torch.bfloat16
@@ -112,7 +115,7 @@ class Int4Linear(nn.Module):
 
 
 def _int4_group(linear: nn.Linear) -> Optional[int]:
-    return next((g for g in INT4_GROUP_SIZES if linear.in_features % g == 0), None)
+    return INT4_GROUP_SIZE if linear.in_features % INT4_GROUP_SIZE == 0 else None
 
 
 @torch.no_grad()
@@ -133,7 +136,7 @@ def quantize_weights(model: nn.Module, quantization: str) -> int:
             raise ValueError(f"quantization={quantization!r}: {name} is a {type(m).__name__}, not a plain nn.Linear")
         if quantization == "int4" and _int4_group(m) is None:
             raise ValueError(f"quantization='int4': {name} has {m.in_features} input features; int4 groups of "
-                             f"{list(INT4_GROUP_SIZES)} need a multiple of 32")
+                             f"{INT4_GROUP_SIZE} need a multiple of {INT4_GROUP_SIZE}")
         if quantization == "int4" and m.out_features % 16:  # the packing's tiles of output rows
             raise ValueError(f"quantization='int4': {name} has {m.out_features} output features; the int4 packing "
                              "needs a multiple of 16")
@@ -146,7 +149,7 @@ def quantize_weights(model: nn.Module, quantization: str) -> int:
 
 def describe_weights(model: nn.Module) -> dict:
     """``{"weight_format", "weight_bytes"}`` for stats() and /metrics: the formats of the model's
-    linear layers ("int8", "int4 (group 128)", "bfloat16 (float32 arithmetic)" where
+    linear layers ("int8", "int4 (group 32)", "bfloat16 (float32 arithmetic)" where
     :func:`.linear16.widens`, ...; several joined by " + ") and the bytes of its parameters and
     buffers, each storage counted once (tied weights)."""
     formats = []

@@ -25,7 +25,7 @@ import weight_quality  # noqa: E402
 AGREEMENT = {"int8": 0.95, "int4": 0.90}
 # Mean KL(bfloat16 || quantized) per step, nats: ~3x what bench/weight_quality.py measured on this
 # workload (bench/RESULTS.md)
-MEAN_KL = {"int8": 3e-3, "int4": 0.15}
+MEAN_KL = {"int8": 3e-3, "int4": 0.06}
 
 
 def _linear(k, n, dtype, bias, seed):
@@ -54,12 +54,12 @@ def test_int8_layer_is_its_dequantized_weight(dtype, shape):
     torch.testing.assert_close(out.double(), ref, atol=0.1, rtol=1.6e-2)
 
 
-@pytest.mark.parametrize("shape, group", [((128, 48), 128), ((96, 16), 32), ((192, 80), 64)], ids=str)
-def test_int4_layer_is_close_to_its_weight_at_4_bits(shape, group):
+@pytest.mark.parametrize("shape", [(128, 48), (96, 16), (192, 80)], ids=str)
+def test_int4_layer_is_close_to_its_weight_at_4_bits(shape):
     layer, x = _linear(*shape, torch.bfloat16, False, seed=shape[0])
     quantize_weights(wrapper := torch.nn.Sequential(layer), "int4")
     q = wrapper[0]
-    assert isinstance(q, Int4Linear) and q.group_size == group
+    assert isinstance(q, Int4Linear) and q.group_size == 32
     ref = x.double() @ layer.weight.double().T
     err = (q(x).double() - ref).norm() / ref.norm()
     # 16 levels over each group's range: an error of a few percent of the output, not more
@@ -98,7 +98,7 @@ def test_from_pretrained_quantizes_and_reports_format_and_bytes(tmp_path, quanti
     layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert layers and not any(isinstance(m, torch.nn.Linear) for m in engine.model.modules())
     formats = {"int8"} if quantization == "int8" else {f"int4 (group {m.group_size})" for m in layers}
-    assert set(stats["weight_format"].split(" + ")) == formats  # hidden 64: groups of 64, 128 where wider
+    assert set(stats["weight_format"].split(" + ")) == formats == ({"int8"} if quantization == "int8" else {"int4 (group 32)"})
     assert stats["weight_bytes"] < plain["weight_bytes"]
     from minipaged_ops.integration.server.metrics import ServerMetrics
 

@@ -27,7 +27,7 @@ def parser(prog: str = "python -m minipaged_ops.serve") -> argparse.ArgumentPars
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight-only quantization of the linear layers (CPU): int8 (a scale per output channel) or "
-                        "int4 (a scale and zero point per group of 128 inputs); default: the weights as loaded")
+                        "int4 (a scale and zero point per group of 32 inputs); default: the weights as loaded")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /tokenizer_info "
