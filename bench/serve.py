@@ -19,8 +19,8 @@ outputs of 16-64 tokens (uniform), greedy, EOS ignored.
     python bench/serve.py --workload repeat --systems engine --max-num-seqs 1 --speculative-config '...'
                         # outputs that copy an edited text out of their prompt (a scripted model)
     python bench/serve.py --workload repeat --layers 28 --systems engine --speculative-config \
-        '{"method": "draft_model", "num_speculative_tokens": 4}' --draft-layers 1
-                        # a draft model: the bench model's shape with --draft-layers layers
+        '{"method": "draft_model", "num_speculative_tokens": 4}' --draft-layers 1 --draft-hidden 512
+                        # a draft model: 1 layer, hidden 512 (the bench model's shape without --draft-hidden)
     python bench/serve.py --systems engine --kv-cache-dtype auto,int8,fp8_e4m3 --kv-cache-memory 128e6 --rounds 2
                         # 8-bit KV caches: one engine row per format, all in the same memory (preemption-bound)
 
@@ -70,12 +70,12 @@ QWEN3_06B = dict(vocab=151936, hidden=1024, intermediate=3072, heads=16, kv_head
 TINY = dict(vocab=512, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=32)
 
 
-def bench_model(args, layers: int, dtype):
-    """The random Qwen3 of the benchmark's shape (scripted to copy its text for --workload repeat)."""
+def bench_model(args, layers: int, dtype, shape: dict | None = None):
+    """The random Qwen3 of the benchmark's shape, or ``shape`` (scripted to copy its text for --workload repeat)."""
     from minipaged_ops.tiny import script_greedy, tiny_model
 
     model = tiny_model("qwen3", layers=layers, max_positions=4096, init_range=None,
-                       tie_embeddings=args.workload != "repeat", dtype=dtype, **args.shape)
+                       tie_embeddings=args.workload != "repeat", dtype=dtype, **(shape or args.shape))
     if args.workload == "repeat":
         script_greedy(model, repeat_texts(args, args.seed)[0])
     return model
@@ -125,6 +125,10 @@ def parse_args(argv=None):
     s.add_argument("--draft-layers", type=int, default=1,
                    help="a draft_model config without 'model' gets the bench model's shape with this many "
                         "layers (scripted like it for --workload repeat)")
+    s.add_argument("--draft-hidden", type=int, default=None,
+                   help="the draft's hidden size (default: the bench model's); heads of 128 dims, hidden / 64 of "
+                        "them (half as many KV heads), MLP 3x hidden: a draft cheaper than the target by what "
+                        "real pairings have (Qwen3-0.6B for Qwen3-8B costs ~8%% of it)")
     s.add_argument("--systems", default="engine,transformers,static,roof",
                    help="comma-separated subset of engine,transformers,static,roof")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -192,6 +196,15 @@ def make_workload(args, vocab: int, seed: int, count: int | None = None) -> list
 REPEAT_EDIT_EVERY = 16
 
 
+def draft_shape(args) -> dict:
+    """The draft model's shape: the bench model's, or --draft-hidden's."""
+    if not args.draft_hidden or args.draft_hidden == args.shape["hidden"]:
+        return args.shape
+    heads = max(2, args.draft_hidden // 64)
+    return dict(args.shape, hidden=args.draft_hidden, intermediate=3 * args.draft_hidden, heads=heads,
+                kv_heads=heads // 2)
+
+
 def repeat_texts(args, seed: int, count: int | None = None):
     """The "repeat" workload: (the script of every text, concatenated; [(prompt, output tokens)]).
     Text i is a run of distinct token ids; its prompt is the text with every 16th token replaced
@@ -199,7 +212,8 @@ def repeat_texts(args, seed: int, count: int | None = None):
     count = count or args.requests
     length = args.prompt_len[1]
     g = torch.Generator().manual_seed(seed)
-    ids = (torch.randperm(args.shape["hidden"] - 3, generator=g) + 3).tolist()  # distinct, <= hidden (script_greedy)
+    hidden = min(args.shape["hidden"], draft_shape(args)["hidden"])  # script_greedy: distinct, <= hidden
+    ids = (torch.randperm(hidden - 3, generator=g) + 3).tolist()
     if count * (length + length // REPEAT_EDIT_EVERY + 1) > len(ids):
         raise SystemExit(f"--workload repeat: {count} texts of {length} tokens need more than {len(ids)} distinct ids")
     script, work = [], []
@@ -761,7 +775,7 @@ def main(argv=None) -> int:
     if args.speculative_config and "engine" in systems:
         spec = json.loads(args.speculative_config)
         if spec.get("method") == "draft_model" and "model" not in spec:
-            spec["model"] = bench_model(args, args.draft_layers, dtype)
+            spec["model"] = bench_model(args, args.draft_layers, dtype, draft_shape(args))
         runners["engine, speculative"] = lambda reqs, blocks: run_engine(
             model, reqs, args, blocks, desc="engine, speculative", speculative_config=spec)
     if args.penalties and "engine" in systems:
