@@ -51,6 +51,9 @@ src = sys.argv.pop(1)
 sys.path[:0] = [src, src + "/gguf-py"]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # the tiny tokenizer splits as GPT-2
+def no_sentencepiece(self):  # Qwen's converter tries a SentencePiece model first; ours is byte-level BPE
+    raise FileNotFoundError("no tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = no_sentencepiece
 looks_special = base.TextModel.does_token_look_special
 base.TextModel.does_token_look_special = lambda self, token: (
     not re.fullmatch(r"<\|extra_\d+\|>", token if isinstance(token, str) else bytes(token).decode())
