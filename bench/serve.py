@@ -136,12 +136,14 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times in turn (alternated); each row reports its median round")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests: a smoke run")
+    p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests (unless given): a smoke run")
     args = p.parse_args(argv)
     args.shape = dict(QWEN3_06B)
     if args.quick:
         args.shape = dict(TINY)
-        args.requests, args.prompt_len, args.output_len, args.layers = 8, "8:40", "4:12", 2
+        for name, value in dict(requests=8, prompt_len="8:40", output_len="4:12", layers=2).items():
+            if getattr(args, name) == p.get_default(name):  # what the command line gave stays
+                setattr(args, name, value)
         args.max_num_batched_tokens = min(args.max_num_batched_tokens, 64)
     for name in ("prompt_len", "output_len"):
         lo, _, hi = getattr(args, name).partition(":")

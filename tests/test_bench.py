@@ -231,6 +231,18 @@ def test_serve_quick_prints_every_row_and_writes_csv_and_png(tmp_path):
     assert len(lines) == 1 + 8 * (len(systems.split(",")) - 1)
 
 
+def test_serve_repeat_workload_with_a_smaller_draft_model(tmp_path):
+    # a draft of hidden 48 beside the tiny model's 64, both scripted to copy the text (--quick keeps
+    # the workload given): the speculative row gives the same tokens
+    pytest.importorskip("transformers")
+    out = run_bench("bench/serve.py", "--quick", "--no-progress", "--systems", "engine", "--workload", "repeat",
+                    "--requests", "2", "--prompt-len", "16:16", "--output-len", "6:6", "--speculative-config",
+                    '{"method": "draft_model", "num_speculative_tokens": 2}', "--draft-hidden", "48",
+                    "--out", str(tmp_path))
+    assert re.search(r"^2 requests \(burst\), prompts 16-16, outputs 6-6", out, re.M), out
+    assert re.search(r"^engine, speculative\s+[\d.]+\s+[\d.]+.*\s2/2\s*$", out, re.M), out
+
+
 def test_serve_compares_kv_cache_formats_in_the_same_memory(tmp_path):
     # 5 float32 blocks' worth of bytes: "auto" preempts, int8 and fp8 hold ~3.5-4x the blocks
     pytest.importorskip("transformers")
