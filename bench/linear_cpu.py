@@ -4,6 +4,8 @@ MLP 3072, vocabulary 151936), at decode and prefill row counts.
 
     python bench/linear_cpu.py                       # 2 threads
     python bench/linear_cpu.py --rows 1,32,256 --shapes 1024x3072,3072x1024
+    python bench/compare_revisions.py HEAD~1 HEAD --bench bench/linear_cpu.py --isa avx2,avx2 -- \
+        --ways "float32 linear_widened,bf16 linear_widened" --rows 4,8,16,24   # a kernel change, before/after
 
 Ways: float32 ``F.linear``; float32 through minipaged's ``linear_widened`` (few rows: the weight
 streamed once for all of them; more: the same GEMM); torch's bfloat16 ``F.linear`` (oneDNN where the CPU has AVX512-BF16/AMX,
@@ -66,13 +68,20 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="1024x3072,3072x1024,1024x151936", help="in x out features")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ways", default=None, help="comma-separated subset of the ways (default: all of them)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{machine_name()}, torch threads {args.threads}, cpu_isa {minipaged_ops.cpu_isa()}, "
-          f"torch {torch.backends.cpu.get_cpu_capability()}")
+          f"torch {torch.backends.cpu.get_cpu_capability()}\n")
+    print(f"{'shape':<12}  {'rows':<9}  {'kernel':<24}  GFLOP/s")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         layers = ways(k, n)
+        if args.ways:
+            unknown = set(args.ways.split(",")) - set(layers)
+            if unknown:
+                raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {sorted(layers)}")
+            layers = {name: layers[name] for name in args.ways.split(",")}
         for rows in map(int, args.rows.split(",")):
             inputs = {dt: torch.randn(rows, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
             best = dict.fromkeys(layers, float("inf"))
@@ -84,8 +93,8 @@ def main(argv=None) -> None:
                     layer(inputs[dt])
                     best[name] = min(best[name], time.perf_counter() - start)
             flop = 2 * rows * k * n / 1e9
-            print(f"{k}x{n} rows {rows:>4}: " + "  ".join(f"{name} {flop / t:6.1f}" for name, t in best.items())
-                  + "  GFLOP/s")
+            for name, t in best.items():  # rows as a label ("24 rows"), so compare_revisions keys on it
+                print(f"{k}x{n:<7}  {f'{rows} rows':<9}  {name:<24}  {flop / t:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,10 @@ import torch
 import minipaged_ops
 
 WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows, in_features, out_features). Up to 4 rows the weight is streamed with every row in
-# registers (vector tails, an odd last weight row); 5-24 rows take the chunked path (groups of 4
-# rows with a partial last group; weight rows three at a time with 1 or 2 left over; in_features
-# over several 256-element chunks with a partial last one and a vector tail; several 63-row tasks
-# and a partial last one); more rows take the GEMM path, with a weight of several blocks of rows
-# and a partial last one (300 inputs: 218-row blocks), blocks of the 8-row minimum (40000 inputs),
-# zero rows and zero inputs.
+# (rows, in_features, out_features). Up to 24 rows the weight is streamed (row counts 1-9, 13, 20,
+# 23 and 24: groups of 4 rows with a partial last group, an odd last weight row, vector tails);
+# more rows take the GEMM path, with a weight of several blocks of rows and a partial last one (300
+# inputs: 218-row blocks), blocks of the 8-row minimum (40000 inputs), zero rows and zero inputs.
 SHAPES = [(1, 1, 1), (2, 16, 3), (3, 7, 5), (4, 1029, 70), (5, 300, 1000), (6, 33, 129), (7, 48, 9),
           (8, 1024, 257), (9, 33, 17), (13, 2053, 200), (20, 520, 64), (23, 77, 5), (24, 64, 40), (25, 40, 33),
           (37, 65, 129), (2, 40000, 13), (5, 5, 2), (0, 16, 8), (4, 0, 6)]

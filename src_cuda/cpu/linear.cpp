@@ -1,10 +1,10 @@
 // linear_widened: input @ weight.T (+ bias) in float32 arithmetic for a float32, bfloat16 or
 // float16 weight, a 16-bit weight staying 16-bit in memory. Two paths:
 // - few input rows (decode, a speculative verify: at most kStreamRows): the weight is streamed
-//   once, each weight row meeting every input row while it is in registers (up to kRowGroup
-//   rows) or in L1 (chunked_gemm). The float32 GEMM of the build (MKL) takes about as long per
-//   row at 2-8 rows as at one on AMD Zen 3 (4-5 G FMA/s on one core, bench/RESULTS.md), so a
-//   5-token verify cost five decodes; streamed, the step reads the weight once whatever the rows.
+//   once, each weight row meeting every input row while it is in registers. The float32 GEMM of
+//   the build (MKL) takes about as long per row at 2-8 rows as at one on AMD Zen 3 (4-5 G FMA/s on
+//   one core, bench/RESULTS.md), so a 5-token verify cost five decodes; streamed, the step reads
+//   the weight once whatever the rows, at memory speed.
 // - more rows: for CPUs without 16-bit dot products (no AVX512-BF16 / AMX), where torch's own
 //   bfloat16 matmul runs several times slower than float32, each thread widens a block of weight
 //   rows into a float32 buffer that stays in its L2 and hands it to the float32 GEMM (at::mm), so
@@ -42,8 +42,6 @@ constexpr int64_t kMinBlockRows = 8;
 constexpr int64_t kStreamRows = 24;
 // Input rows that share one pass over a weight row (their accumulators fill the vector registers).
 constexpr int kRowGroup = 4;
-// Elements of k per chunk of the chunked path: kStreamRows rows of it (24 KiB) stay in a 32 KiB L1.
-constexpr int64_t kChunk = 256;
 // Weight rows per parallel task: enough work to amortize a task, many tasks for the threads.
 constexpr int64_t kStreamTaskRows = 64;
 
@@ -135,106 +133,8 @@ inline void dot_group(int64_t group, const float* x, const scalar_t* w, int64_t 
   }
 }
 
-// The tile of the chunked path: partial[r * M + m] (a vector of partial sums) += the dot products
-// of M input rows at x (row stride len, packed) and R weight rows at w (row stride k) over len
-// elements (a multiple of kLanes). R * M accumulators and R + 1 loads in flight fill AVX2's 16
-// registers at R = 3, M = 4; each input load serves R FMAs, each weight load M.
-template <int M, int R, typename scalar_t>
-inline void chunk_tile(const float* x, const scalar_t* w, int64_t k, int64_t len, float* partial) {
-  Lanes acc[R][M];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) acc[r][m] = lanes_loadu(partial + (r * M + m) * kLanes);
-  for (int64_t i = 0; i < len; i += kLanes) {
-    Lanes wv[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) wv[r] = lanes_loadu(w + r * k + i);
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const Lanes xv = lanes_loadu(x + m * len + i);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][m] = lanes_fmadd(wv[r], xv, acc[r][m]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) lanes_storeu(partial + (r * M + m) * kLanes, acc[r][m]);
-}
-
-template <int R, typename scalar_t>
-inline void chunk_group(int64_t group, const float* x, const scalar_t* w, int64_t k, int64_t len, float* partial) {
-  switch (group) {
-    case 1: chunk_tile<1, R>(x, w, k, len, partial); break;
-    case 2: chunk_tile<2, R>(x, w, k, len, partial); break;
-    case 3: chunk_tile<3, R>(x, w, k, len, partial); break;
-    default: chunk_tile<kRowGroup, R>(x, w, k, len, partial); break;
-  }
-}
-
-// out = x @ w.T for kRowGroup < rows <= kStreamRows (a speculative verify, a small batch): the
-// input rows no longer fit in registers beside the weight vectors, so k is walked in chunks of
-// kChunk: a chunk of every input row (packed contiguous; rows k * 4 bytes apart would share L1
-// sets) stays in L1 while three weight rows at a time meet all of them, and the dot products
-// build up as vectors of partial sums, reduced once at the end. Each weight element is still
-// read from memory once. Three weight rows x four input rows per tile: on AMD Zen 3 (one core)
-// 1.6x two x four over unpacked rows (bench/RESULTS.md).
-template <typename scalar_t>
-void chunked_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
-  const int64_t kv = k / kLanes * kLanes;  // the rest of each row: scalar, at the reduction
-  const float* xs = x.data_ptr<float>();
-  std::vector<float> packed(rows * kv);  // chunk c holds rows x len elements, starting at rows * c
-  for (int64_t c = 0; c < kv; c += kChunk) {
-    const int64_t len = std::min(kChunk, kv - c);
-    for (int64_t m = 0; m < rows; ++m) std::memcpy(&packed[rows * c + m * len], xs + m * k + c, len * sizeof(float));
-  }
-  const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
-  constexpr int64_t R = 3;
-  constexpr int64_t kTaskRows = kStreamTaskRows / R * R;
-  float* os = out.data_ptr<float>();
-  at::parallel_for(0, (n + kTaskRows - 1) / kTaskRows, 1, [&](int64_t first, int64_t last) {
-    // per weight-row triple and input group, R * kRowGroup vectors of partial sums
-    std::vector<float> partials(kTaskRows / R * groups * R * kRowGroup * kLanes);
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t n0 = task * kTaskRows, nt = std::min(kTaskRows, n - n0);
-      std::fill(partials.begin(), partials.end(), 0.f);
-      auto partial = [&](int64_t j, int64_t g) { return &partials[((j / R) * groups + g) * R * kRowGroup * kLanes]; };
-      for (int64_t c = 0; c < kv; c += kChunk) {
-        const int64_t len = std::min(kChunk, kv - c);
-        for (int64_t j = 0; j < nt; j += R) {
-          const scalar_t* wj = w + (n0 + j) * k + c;
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t group = std::min<int64_t>(kRowGroup, rows - g * kRowGroup);
-            const float* xg = &packed[rows * c + g * kRowGroup * len];
-            switch (std::min(R, nt - j)) {
-              case 1: chunk_group<1>(group, xg, wj, k, len, partial(j, g)); break;
-              case 2: chunk_group<2>(group, xg, wj, k, len, partial(j, g)); break;
-              default: chunk_group<R>(group, xg, wj, k, len, partial(j, g)); break;
-            }
-          }
-        }
-      }
-      for (int64_t j = 0; j < nt; j += R) {
-        const int64_t tile_rows = std::min(R, nt - j);
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t group = std::min<int64_t>(kRowGroup, rows - g * kRowGroup);
-          for (int64_t r = 0; r < tile_rows; ++r)
-            for (int64_t m = 0; m < group; ++m) {
-              const int64_t row = g * kRowGroup + m, col = n0 + j + r;
-              float sum = lanes_hsum(lanes_loadu(partial(j, g) + (r * group + m) * kLanes));
-              for (int64_t i = kv; i < k; ++i) sum += static_cast<float>(w[col * k + i]) * xs[row * k + i];
-              os[row * n + col] = sum;
-            }
-        }
-      }
-    }
-  });
-}
-
-// out = x @ w.T for rows <= kRowGroup (decode): each weight row read from memory once, two at a
-// time, meeting every input row in registers.
+// out = x @ w.T for rows <= kStreamRows: each weight row read from memory once, two at a time,
+// meeting the input rows a group of kRowGroup at a time (a later group finds the rows in L1).
 template <typename scalar_t>
 void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
@@ -243,8 +143,11 @@ void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
   at::parallel_for(0, (n + 1) / 2, kStreamTaskRows / 2, [&](int64_t first, int64_t last) {
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t j = 2 * pair;
-      if (j + 1 < n) dot_group<2>(rows, xs, w + j * k, k, os + j, n);
-      else dot_group<1>(rows, xs, w + j * k, k, os + j, n);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
+        const int64_t group = std::min<int64_t>(kRowGroup, rows - m0);
+        if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+        else dot_group<1>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+      }
     }
   });
 }
@@ -274,13 +177,9 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
       out.zero_();
 #if defined(MINIPAGED_LANES)
     } else if (rows <= kStreamRows) {
-      const auto few_rows = [&](auto* w16) {
-        if (rows <= kRowGroup) streamed_gemm(x, w16, out);
-        else chunked_gemm(x, w16, out);
-      };
-      if (w.scalar_type() == at::kFloat) few_rows(w.data_ptr<float>());
-      else if (w.scalar_type() == at::kBFloat16) few_rows(w.data_ptr<c10::BFloat16>());
-      else few_rows(w.data_ptr<c10::Half>());
+      if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
+      else if (w.scalar_type() == at::kBFloat16) streamed_gemm(x, w.data_ptr<c10::BFloat16>(), out);
+      else streamed_gemm(x, w.data_ptr<c10::Half>(), out);
 #endif
     } else if (w.scalar_type() == at::kFloat) {
       at::mm_out(out, x, w.t());
