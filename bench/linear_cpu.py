@@ -12,9 +12,9 @@ streamed once for all of them; more: the same GEMM); torch's bfloat16 ``F.linear
 a generic loop elsewhere); the bfloat16 weight widened to float32 whole on every call; minipaged's
 ``linear_widened`` (few rows: widened in registers, streamed once; more: widened a block of rows at
 a time into the float32 GEMM); int8 per channel
-through torchao's own linear (``Int8WeightOnlyConfig``) and through ATen's ``_weight_int8pack_mm``
-(minipaged's ``Int8Linear``); int4 groups of 32 through ATen's ``_weight_int4pack_mm_for_cpu``
-(torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except for float32 F.linear.
+through torchao's own linear (``Int8WeightOnlyConfig``), through ATen's ``_weight_int8pack_mm`` and
+through ``linear_widened`` (minipaged's ``Int8Linear``, float32 activations); int4 groups of 32 through ATen's ``_weight_int4pack_mm_for_cpu``
+(torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except where float32 is named.
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ def ways(k: int, n: int) -> dict:
     lin32 = torch.nn.Linear(k, n, bias=False)
     lin16 = copy.deepcopy(lin32).bfloat16()
     w16 = lin16.weight.detach()
+    int8 = Int8Linear.from_linear(lin16)
     out = {
         "float32": (lin32, torch.float32),
         "float32 linear_widened": (lambda x: minipaged_ops.linear_widened(x, lin32.weight.detach()), torch.float32),
         "bf16 torch": (lin16, torch.bfloat16),
         "bf16 widen whole": (lambda x: F.linear(x.float(), w16.float()).bfloat16(), torch.bfloat16),
         "bf16 linear_widened": (lambda x: minipaged_ops.linear_widened(x, w16), torch.bfloat16),
-        "int8 ATen": (Int8Linear.from_linear(lin16), torch.bfloat16),
+        "int8 ATen": (lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.qweight, int8.scale), torch.bfloat16),
+        "int8 linear_widened": (int8, torch.float32),
         "int4 ATen": (Int4Linear.from_linear(lin16, 32), torch.bfloat16),
     }
     try:

@@ -5,11 +5,14 @@ take and return the model's dtype.
 
 torchao (the PyTorch quantization library) computes the quantized values and scales
 (``Int8Tensor.from_hp`` per row; int4 as its CPU workflow, ``Int4OpaqueTensor.from_hp`` with HQQ's
-fitted scales and zero points, packs them). The layers then call ATen's weight-only kernels directly, which read the 8- or 4-bit weight
-and compute in float32 registers on AVX2 and AVX-512 alike: ``_weight_int8pack_mm`` and
-``_weight_int4pack_mm_for_cpu``. torchao's own int8 linear would widen the whole weight to the
-activations' dtype on every call and multiply in bfloat16, the slow path this CPU lacks the
-instructions for (bench/RESULTS.md). CPU only; the lm_head is quantized too (as llama.cpp's Q8_0 /
+fitted scales and zero points, packs them). int8 layers multiply through
+``minipaged_ops.linear_widened`` (the int8 weight widened to float32 in registers and streamed
+once per step, the scale applied per output; ATen's ``_weight_int8pack_mm`` read the weight at
+about a third of memory speed in decode and lost to llama.cpp's Q8_0, bench/RESULTS.md); int4
+layers call ATen's ``_weight_int4pack_mm_for_cpu``, which computes in float32 registers on AVX2
+and AVX-512 alike. torchao's own int8 linear would widen the whole weight to the activations'
+dtype on every call and multiply in bfloat16, the slow path CPUs without bfloat16 instructions
+take (bench/RESULTS.md). CPU only; the lm_head is quantized too (as llama.cpp's Q8_0 /
 Q4_0 files do); a tied input embedding keeps its 16-bit rows for the lookups.
 """
 
@@ -20,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+import minipaged_ops
+
 from .linear16 import WidenedLinear, widens
 
 __all__ = ["Int4Linear", "Int8Linear", "QUANTIZATIONS", "check_quantization", "describe_weights", "quantize_weights"]
@@ -29,8 +34,9 @@ QUANTIZATIONS = ("int8", "int4")
 # 32 halve the KL of groups of 64 and quarter that of 128 (bench/RESULTS.md), for ~3% of the
 # kernel's speed at 1-256 rows.
 INT4_GROUP_SIZE = 32
-# Both kernels are vectorized for bfloat16 activations only (float32 ones take a scalar loop, 10-40x
-# slower here), so a float32 model's layers multiply bfloat16-rounded inputs, and their scales are bfloat16.
+# ATen's int4 kernel is vectorized for bfloat16 activations only (float32 ones take a scalar loop,
+# 10-40x slower here), so a float32 model's int4 layers multiply bfloat16-rounded inputs; scales
+# are bfloat16 for both formats (the quantizer rounds the weight to bfloat16 first).
 ACTIVATION_DTYPE = torch.bfloat16
 
 
@@ -69,11 +75,7 @@ class Int8Linear(nn.Module):
         return cls(quantized.qdata.contiguous(), quantized.scale.reshape(-1).to(ACTIVATION_DTYPE), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return minipaged_ops.linear_widened(x, self.qweight, self.bias, weight_scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"

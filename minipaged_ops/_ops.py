@@ -105,13 +105,16 @@ def copy_blocks(
     _ops.copy_blocks(key_cache, value_cache, block_mapping, key_scale, value_scale)
 
 
-def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``input @ weight.T + bias`` for a float32, bfloat16 or float16 ``weight`` (``[out_features,
-    in_features]``), computed in float32 (a 16-bit weight stays 16-bit in memory): up to 24 input
-    rows stream the weight once for all of them, more widen it a block of rows at a time into the
-    float32 GEMM. Returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products and
-    for few-row steps (decode, speculative verify)."""
-    return _ops.linear_widened(input, weight, bias)
+def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``input @ weight.T + bias`` for a float32, bfloat16, float16 or int8 ``weight``
+    (``[out_features, in_features]``), computed in float32 (the weight stays in its format in
+    memory); an int8 weight takes ``weight_scale`` (``[out_features]``, one scale per output row:
+    ``(input @ weight.T) * weight_scale``), no other weight does. Up to 24 input rows stream the
+    weight once for all of them, more widen it a block of rows at a time into the float32 GEMM.
+    Returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products, for few-row steps
+    (decode, speculative verify) and for weight-only int8."""
+    return _ops.linear_widened(input, weight, bias, weight_scale)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor) -> None:
@@ -123,7 +126,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: t
 
 
 @torch.library.register_fake("minipaged::linear_widened")
-def _linear_widened_fake(input, weight, bias=None):
+def _linear_widened_fake(input, weight, bias=None, weight_scale=None):
     return input.new_empty((*input.shape[:-1], weight.size(0)))
 
 

@@ -38,7 +38,7 @@ TORCH_LIBRARY(minipaged, m) {
   // input @ weight.T + bias with a float32/bfloat16/float16 weight, in float32 arithmetic
   // (cpu/linear.cpp): for CPUs without 16-bit dot products, and few-row steps that should read the
   // weight once. Returns input's dtype. CPU only.
-  m.def("linear_widened(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_widened(Tensor input, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> Tensor");
   // logits[r, t] = -inf for each row r in indices and token t whose bit is clear in bitmask[r]
   // (int32 [rows, ceil(vocab / 32)], token t at bit t % 32 of word t // 32; tokens past the
   // bitmask are masked too): a grammar's allowed tokens (cpu/token_bitmask.cpp). CPU only.

@@ -62,6 +62,23 @@ def test_inference_tensors_on_every_thread(mode):
     torch.testing.assert_close(out.double(), reference(x, w, None), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_weight_with_a_scale_per_output_row(shape, scale_dtype):
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(hash((rows, k, n, "int8")) % 2**31)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 and 127 included
+    scale = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    b = torch.randn(n, generator=g)
+    out = minipaged_ops.linear_widened(x, w, b, weight_scale=scale)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    ref = (x.double() @ w.double().T) * scale.double() + b.double()
+    # |w| up to 128: float32 sums of k terms ~128x larger than the float tests' (then scaled by ~0.01)
+    tol = 1e-5 * max(k, 1) ** 0.5 * 4 * 128 * 0.021
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5)
+
+
 def test_non_contiguous_weight_and_input():
     w = torch.randn(64, 40).to(torch.bfloat16)[::2, 3:35]  # strided view
     x = torch.randn(40, 5).T[:, 3:35]  # [5, 32], non-contiguous
@@ -70,7 +87,14 @@ def test_non_contiguous_weight_and_input():
 
 
 @pytest.mark.parametrize("args, match", [
-    ((torch.randn(2, 8), torch.randn(4, 8).double()), "float32, bfloat16 or float16"),
+    ((torch.randn(2, 8), torch.randn(4, 8).double()), "float32, bfloat16, float16 or int8"),
+    ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8)), "weight_scale .* only with it; weight is Char, "
+                                                               "weight_scale not given"),
+    ((torch.randn(2, 8), torch.randn(4, 8), None, torch.ones(4)), "weight_scale .*weight is Float, weight_scale given"),
+    ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, torch.ones(5)), r"weight_scale must be a "
+                                                                                 r"floating-point \[4\]"),
+    ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, torch.ones(4, dtype=torch.int32)),
+     "weight_scale must be a floating-point"),
     ((torch.randn(2, 8), torch.randn(4, 9).bfloat16()), "in_features"),
     ((torch.randn(2, 8), torch.randn(4, 8, 1).bfloat16()), "2-D"),
     ((torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5)), "bias"),
@@ -106,3 +130,15 @@ def test_engine_keeps_16bit_weights_and_says_so():
         assert stats["weight_format"] == "bfloat16"
     outs = engine.generate([[3, 4, 5], [7, 8, 9, 10, 11]], SamplingParams(max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("weight, scale", [
+    (torch.randn(40, 24), None),
+    (torch.randn(40, 24).bfloat16(), None),
+    (torch.randint(-128, 128, (40, 24), dtype=torch.int8), torch.rand(40) * 0.01),
+], ids=["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [3, 30], ids=["streamed", "gemm"])
+def test_opcheck(weight, scale, rows):
+    # schema, fake (torch.compile's shapes) and the op agree
+    args = (torch.randn(rows, 24), weight, torch.randn(40), scale)
+    torch.library.opcheck(torch.ops.minipaged.linear_widened.default, args)

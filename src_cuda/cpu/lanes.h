@@ -36,6 +36,9 @@ inline Lanes lanes_loadu(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline Lanes lanes_loadu(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Lanes lanes_loadu(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
 inline void lanes_storeu(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
@@ -70,6 +73,9 @@ inline Lanes lanes_loadu(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline Lanes lanes_loadu(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Lanes lanes_loadu(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline float lanes_hsum(Lanes v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));

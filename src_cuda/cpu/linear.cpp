@@ -1,5 +1,6 @@
-// linear_widened: input @ weight.T (+ bias) in float32 arithmetic for a float32, bfloat16 or
-// float16 weight, a 16-bit weight staying 16-bit in memory. Two paths:
+// linear_widened: input @ weight.T (+ bias) in float32 arithmetic for a float32, bfloat16,
+// float16 or int8 weight (int8 with a scale per output row, weight-only quantization), the weight
+// staying in its format in memory. Two paths:
 // - few input rows (decode, a speculative verify: at most kStreamRows): the weight is streamed
 //   once, each weight row meeting every input row while it is in registers. The float32 GEMM of
 //   the build (MKL) takes about as long per row at 2-8 rows as at one on AMD Zen 3 (4-5 G FMA/s on
@@ -51,6 +52,10 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
     const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
     std::memcpy(dst + i, &word, sizeof(float));
   }
+}
+
+inline void widen(const int8_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);  // the scale: once per output, after
 }
 
 inline void widen(const c10::Half* src, float* dst, int64_t n) {
@@ -154,12 +159,21 @@ void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
 
 #endif  // MINIPAGED_LANES
 
-at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& weight_scale) {
   TORCH_CHECK(weight.dim() == 2, "linear_widened: weight must be 2-D [out_features, in_features], got ",
               weight.sizes());
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
-                  weight.scalar_type() == at::kHalf,
-              "linear_widened: weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
+                  weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kChar,
+              "linear_widened: weight must be float32, bfloat16, float16 or int8, got ", weight.scalar_type());
+  const bool int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == weight_scale.has_value(), "linear_widened: weight_scale (a scale per output row) goes with an "
+              "int8 weight and only with it; weight is ", weight.scalar_type(), ", weight_scale ",
+              weight_scale.has_value() ? "given" : "not given");
+  if (int8)
+    TORCH_CHECK(weight_scale->dim() == 1 && weight_scale->size(0) == weight.size(0) && weight_scale->is_floating_point(),
+                "linear_widened: weight_scale must be a floating-point [", weight.size(0), "], got ",
+                weight_scale->scalar_type(), " ", weight_scale->sizes());
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "linear_widened: input's last dimension (",
               input.dim() ? input.size(-1) : 0, ") must equal weight's in_features (", weight.size(1), ")");
   TORCH_CHECK(input.is_floating_point(), "linear_widened: input must be floating point, got ", input.scalar_type());
@@ -179,16 +193,20 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
     } else if (rows <= kStreamRows) {
       if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
       else if (w.scalar_type() == at::kBFloat16) streamed_gemm(x, w.data_ptr<c10::BFloat16>(), out);
+      else if (int8) streamed_gemm(x, w.data_ptr<int8_t>(), out);
       else streamed_gemm(x, w.data_ptr<c10::Half>(), out);
 #endif
     } else if (w.scalar_type() == at::kFloat) {
       at::mm_out(out, x, w.t());
     } else if (w.scalar_type() == at::kBFloat16) {
       widened_gemm(x, w.data_ptr<c10::BFloat16>(), out);
+    } else if (int8) {
+      widened_gemm(x, w.data_ptr<int8_t>(), out);
     } else {
       widened_gemm(x, w.data_ptr<c10::Half>(), out);
     }
   }
+  if (int8) out.mul_(weight_scale->to(at::kFloat));
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
