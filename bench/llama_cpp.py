@@ -141,10 +141,12 @@ def main(argv=None) -> int:
         folder = model_folder(dtype, args.out)
         model = gguf_file(folder, kind, args.out)
         log = os.path.join(args.out, f"llama_server_{name}.log")
-        # as many slots as the burst has requests, each with room for the longest prompt + output
+        # as many slots as the burst has requests, each with room for the longest prompt + output; no
+        # prompt cache: the server stays up across rounds (ours restarts), and a later round's identical
+        # prompts would find their K/V kept (its second rounds ran 1.2-1.6x its first)
         command = lambda port: [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t",  # noqa: E731
                                 str(args.threads), "-tb", str(args.threads), "-np", "32", "-c", str(32 * 384),
-                                "--no-webui", "-a", "bench", *llama_flags]
+                                "--no-webui", "--no-cache-prompt", "-a", "bench", *llama_flags]
         llama = serve_http.Server(command, log, args.threads)
         try:
             from transformers import AutoTokenizer
