@@ -75,8 +75,11 @@ def test_int8_weight_with_a_scale_per_output_row(shape, scale_dtype):
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     ref = (x.double() @ w.double().T) * scale.double() + b.double()
     # |w| up to 128: float32 sums of k terms ~128x larger than the float tests' (then scaled by ~0.01)
-    tol = 1e-5 * max(k, 1) ** 0.5 * 4 * 128 * 0.021
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5)
+    tol, rtol = 1e-5 * max(k, 1) ** 0.5 * 4 * 128 * 0.021, 1e-5
+    if rows > 24 and minipaged_ops.cpu_isa() in ("avx512_bf16", "avx512_amx"):
+        # the GEMM path runs in bfloat16 there: inputs and the product rounded to 8 significant bits
+        tol, rtol = 2**-8 * max(k, 1) ** 0.5 * 4 * 128 * 0.021, 2**-7
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=rtol)
 
 
 def test_non_contiguous_weight_and_input():
