@@ -107,12 +107,8 @@ __attribute__((always_inline, flatten)) inline Lanes lanes_exp(Lanes x) {
 }
 // 16 cache elements widened to float32 as two vectors, for every cache dtype (decode's P.V on
 // AVX2, tile_float.h): load16's f32x16 would have GCC split it again through single-float inserts.
-template <typename T>  // float, bfloat16, float16: lanes_loadu widens them
+template <typename T>  // float, bfloat16, float16, int8: lanes_loadu widens them
 inline void lanes_load16(const T* p, Lanes& lo, Lanes& hi) { lo = lanes_loadu(p), hi = lanes_loadu(p + 8); }
-inline void lanes_load16(const int8_t* p, Lanes& lo, Lanes& hi) {
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-}
 // fp8: vec.h's half_bits (the bytes as float16 bits), converted by F16C.
 inline void lanes_half_bits(u16x16 bits, Lanes& lo, Lanes& hi) {
   const __m256i all = reinterpret_cast<const __m256i&>(bits);
