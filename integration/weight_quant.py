@@ -7,8 +7,9 @@ torchao (the PyTorch quantization library) computes the quantized values and sca
 (``Int8Tensor.from_hp`` per row; int4 as its CPU workflow, ``Int4OpaqueTensor.from_hp`` with HQQ's
 fitted scales and zero points, packs them). int8 layers multiply through
 ``minipaged_ops.linear_widened`` (the int8 weight widened to float32 in registers and streamed
-once per step, the scale applied per output; ATen's ``_weight_int8pack_mm`` read the weight at
-about a third of memory speed in decode and lost to llama.cpp's Q8_0, bench/RESULTS.md); int4
+once per step, the scale applied per output, and prompts in oneDNN's bfloat16 GEMM where the CPU
+has bfloat16 dot products: with ATen's ``_weight_int8pack_mm`` the server lost to llama.cpp's
+Q8_0, bench/RESULTS.md); int4
 layers call ATen's ``_weight_int4pack_mm_for_cpu``, which computes in float32 registers on AVX2
 and AVX-512 alike. torchao's own int8 linear would widen the whole weight to the activations'
 dtype on every call and multiply in bfloat16, the slow path CPUs without bfloat16 instructions
