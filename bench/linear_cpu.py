@@ -14,7 +14,8 @@ a generic loop elsewhere); the bfloat16 weight widened to float32 whole on every
 a time into the float32 GEMM); int8 per channel
 through torchao's own linear (``Int8WeightOnlyConfig``), through ATen's ``_weight_int8pack_mm`` and
 through ``linear_widened`` (minipaged's ``Int8Linear``, float32 activations); int4 groups of 32 through ATen's ``_weight_int4pack_mm_for_cpu``
-(torchao's CPU packing, minipaged's ``Int4Linear``). Activations bfloat16 except where float32 is named.
+(torchao's CPU packing) and through ``linear_widened`` (minipaged's ``Int4Linear``, float32
+activations). Activations bfloat16 except where float32 is named.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import minipaged_ops  # noqa: E402
 from common import machine_name  # noqa: E402
+
+
+def _aten_int4(w16: torch.Tensor, group: int):
+    """ATen's int4 CPU kernel on torchao's packing of the same HQQ quantization (what Int4Linear used before)."""
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+    from torchao.quantization.quantize_.workflows import Int4ChooseQParamsAlgorithm
+
+    t = Int4OpaqueTensor.from_hp(w16, [1, group], int4_choose_qparams_algorithm=Int4ChooseQParamsAlgorithm.HQQ)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t.qdata, group, t.scale_and_zero)[:, : w16.shape[0]]
 
 
 def ways(k: int, n: int) -> dict:
@@ -50,7 +60,8 @@ def ways(k: int, n: int) -> dict:
         "bf16 linear_widened": (lambda x: minipaged_ops.linear_widened(x, w16), torch.bfloat16),
         "int8 ATen": (lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.qweight, int8.scale), torch.bfloat16),
         "int8 linear_widened": (int8, torch.float32),
-        "int4 ATen": (Int4Linear.from_linear(lin16, 32), torch.bfloat16),
+        "int4 ATen": (_aten_int4(w16, 32), torch.bfloat16),
+        "int4 linear_widened": (Int4Linear.from_linear(lin16, 32), torch.float32),
     }
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_

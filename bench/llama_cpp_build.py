@@ -41,7 +41,10 @@ def source_dir() -> str:
     if found:
         return found[-1]
     os.makedirs(CACHE, exist_ok=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "llama-cpp-python", "-d", CACHE])
+    # the sdist only: with ":all:" pip would also build the sdist's build dependencies (cmake's own
+    # bootstrap, many minutes) to read its metadata; --no-build-isolation reads it with ours
+    _run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-build-isolation", "--no-deps",
+          "llama-cpp-python", "-d", CACHE])
     archives = sorted(glob.glob(os.path.join(CACHE, "llama_cpp_python-*.tar.gz")))
     if not archives:
         raise CannotBuild("pip download left no llama_cpp_python sdist")

@@ -4,17 +4,16 @@ weight, beside llama.cpp's Q4_0 at 4.5), quantized from the weights rounded to b
 take and return the model's dtype.
 
 torchao (the PyTorch quantization library) computes the quantized values and scales
-(``Int8Tensor.from_hp`` per row; int4 as its CPU workflow, ``Int4OpaqueTensor.from_hp`` with HQQ's
-fitted scales and zero points, packs them). int8 layers multiply through
-``minipaged_ops.linear_widened`` (the int8 weight widened to float32 in registers and streamed
-once per step, the scale applied per output, and prompts in oneDNN's bfloat16 GEMM where the CPU
-has bfloat16 dot products: with ATen's ``_weight_int8pack_mm`` the server lost to llama.cpp's
-Q8_0, bench/RESULTS.md); int4
-layers call ATen's ``_weight_int4pack_mm_for_cpu``, which computes in float32 registers on AVX2
-and AVX-512 alike. torchao's own int8 linear would widen the whole weight to the activations'
-dtype on every call and multiply in bfloat16, the slow path CPUs without bfloat16 instructions
-take (bench/RESULTS.md). CPU only; the lm_head is quantized too (as llama.cpp's Q8_0 /
-Q4_0 files do); a tied input embedding keeps its 16-bit rows for the lookups.
+(``Int8Tensor.from_hp`` per row; int4 with HQQ's fitted scales and zero points). Both multiply
+through ``minipaged_ops.linear_widened``: decode steps (up to 24 rows) stream the quantized
+weight once, widened to float32 in registers; prompts widen a block of rows at a time into
+oneDNN's bfloat16 GEMM where the CPU has bfloat16 dot products, the float32 GEMM elsewhere. With
+ATen's ``_weight_int8pack_mm`` the server lost to llama.cpp's Q8_0, and with
+``_weight_int4pack_mm_for_cpu`` its prompts took 1.5-2x llama.cpp's TTFT (bench/RESULTS.md).
+torchao's own int8 linear would widen the whole weight to the activations' dtype on every call
+and multiply in bfloat16, the slow path CPUs without bfloat16 instructions take. CPU only; the
+lm_head is quantized too (as llama.cpp's Q8_0 / Q4_0 files do); a tied input embedding keeps its
+16-bit rows for the lookups.
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ QUANTIZATIONS = ("int8", "int4")
 # 32 halve the KL of groups of 64 and quarter that of 128 (bench/RESULTS.md), for ~3% of the
 # kernel's speed at 1-256 rows.
 INT4_GROUP_SIZE = 32
-# ATen's int4 kernel is vectorized for bfloat16 activations only (float32 ones take a scalar loop,
-# 10-40x slower here), so a float32 model's int4 layers multiply bfloat16-rounded inputs; scales
-# are bfloat16 for both formats (the quantizer rounds the weight to bfloat16 first).
-ACTIVATION_DTYPE = torch.bfloat16
+# Weights are rounded to bfloat16 before quantizing (a checkpoint's format) and scales kept in it.
+SCALE_DTYPE = torch.bfloat16
 
 
 def check_quantization(quantization, device: Optional[torch.device] = None, tensor_parallel_size: int = 1) -> None:
@@ -71,9 +68,9 @@ class Int8Linear(nn.Module):
         from torchao.quantization.granularity import PerRow
         from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
-        quantized = Int8Tensor.from_hp(linear.weight.detach().to(ACTIVATION_DTYPE), PerRow())
+        quantized = Int8Tensor.from_hp(linear.weight.detach().to(SCALE_DTYPE), PerRow())
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantized.qdata.contiguous(), quantized.scale.reshape(-1).to(ACTIVATION_DTYPE), bias)
+        return cls(quantized.qdata.contiguous(), quantized.scale.reshape(-1).to(SCALE_DTYPE), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return minipaged_ops.linear_widened(x, self.qweight, self.bias, weight_scale=self.scale)
@@ -83,35 +80,43 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Grouped asymmetric int4 weight in torchao's CPU packing (ATen's tinygemm layout)."""
+    """``x @ ((q - zero) * scale).T + bias``: int4 weight ``q`` two a byte (``packed``
+    ``[out, in / 2]``, minipaged_ops.linear_widened's layout), ``scale`` and ``zero`` bfloat16
+    ``[out, in / group_size]``."""
 
-    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int, in_features: int,
-                 out_features: int, bias: Optional[torch.Tensor]):
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                 bias: Optional[torch.Tensor]):
         super().__init__()
-        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.in_features, self.out_features, self.group_size = packed.shape[1] * 2, packed.shape[0], group_size
         self.register_buffer("packed", packed)
-        self.register_buffer("scale_and_zero", scale_and_zero)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
-        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
-        from torchao.quantization.quantize_.workflows import Int4ChooseQParamsAlgorithm
+        from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_affine_hqq
 
         # HQQ's scales and zero points (fitted to the weights) rather than each group's min and max:
         # on bench/weight_quality.py's model, greedy agreement 0.35 -> 0.9 and KL 0.12 -> 0.07 (20 requests)
-        quantized = Int4OpaqueTensor.from_hp(linear.weight.detach().to(ACTIVATION_DTYPE), [1, group_size],
-                                             int4_choose_qparams_algorithm=Int4ChooseQParamsAlgorithm.HQQ)
+        q, scale, zero, _ = _choose_qparams_and_quantize_affine_hqq(
+            linear.weight.detach().to(SCALE_DTYPE), nbits=4, group_size=group_size, axis=1,
+            compute_dtype=SCALE_DTYPE, device="cpu", raw_output=True)
+        n, k = q.shape
+        halves = q.reshape(n, k // 32, 2, 16)  # each 32 weights: the first 16 in low nibbles, the rest in high
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantized.qdata, quantized.scale_and_zero, group_size, linear.in_features, linear.out_features, bias)
+        return cls(packed, scale.contiguous(), zero.contiguous(), group_size, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as float32 ``[out, in]`` (for tests and references)."""
+        low, high = self.packed & 0xF, self.packed >> 4
+        q = torch.stack([low.reshape(self.out_features, -1, 16), high.reshape(self.out_features, -1, 16)], dim=2)
+        q = q.reshape(self.out_features, -1, self.group_size).float()
+        return ((q - self.zero.float()[..., None]) * self.scale.float()[..., None]).reshape(self.out_features, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale_and_zero.dtype).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_and_zero)
-        out = out[:, : self.out_features]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return minipaged_ops.linear_widened(x, self.packed, self.bias, weight_scale=self.scale, weight_zero=self.zero)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
@@ -140,9 +145,6 @@ def quantize_weights(model: nn.Module, quantization: str) -> int:
         if quantization == "int4" and _int4_group(m) is None:
             raise ValueError(f"quantization='int4': {name} has {m.in_features} input features; int4 groups of "
                              f"{INT4_GROUP_SIZE} need a multiple of {INT4_GROUP_SIZE}")
-        if quantization == "int4" and m.out_features % 16:  # the packing's tiles of output rows
-            raise ValueError(f"quantization='int4': {name} has {m.out_features} output features; the int4 packing "
-                             "needs a multiple of 16")
     for name, m in linears:
         layer = Int8Linear.from_linear(m) if quantization == "int8" else Int4Linear.from_linear(m, _int4_group(m))
         parent, _, child = name.rpartition(".")

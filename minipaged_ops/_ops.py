@@ -106,15 +106,19 @@ def copy_blocks(
 
 
 def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``input @ weight.T + bias`` for a float32, bfloat16, float16 or int8 ``weight``
+                   weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None) -> torch.Tensor:
+    """``input @ weight.T + bias`` for a float32, bfloat16, float16, int8 or int4 ``weight``
     (``[out_features, in_features]``), computed in float32 (the weight stays in its format in
-    memory); an int8 weight takes ``weight_scale`` (``[out_features]``, one scale per output row:
-    ``(input @ weight.T) * weight_scale``), no other weight does. Up to 24 input rows stream the
-    weight once for all of them, more widen it a block of rows at a time into the float32 GEMM.
-    Returns ``input``'s dtype. CPU only: for CPUs without 16-bit dot products, for few-row steps
-    (decode, speculative verify) and for weight-only int8."""
-    return _ops.linear_widened(input, weight, bias, weight_scale)
+    memory). An int8 weight takes ``weight_scale`` (``[out_features]``, one scale per output row:
+    ``(input @ weight.T) * weight_scale``). An int4 weight is uint8 ``[out_features, in_features / 2]``,
+    each 32 weights in 16 bytes (byte ``i`` holds weight ``i`` in its low nibble and weight ``16 + i``
+    in its high one), with ``weight_scale`` and ``weight_zero`` ``[out_features, groups]`` (float32 or
+    bfloat16; groups of a multiple of 32 columns): weight ``(q - zero) * scale``. Up to 24 input
+    rows stream the weight once for all of them, more widen it a block of rows at a time into the
+    float32 GEMM (bfloat16 for int8 and int4 on CPUs with bfloat16 dot products). Returns
+    ``input``'s dtype. CPU only: for CPUs without 16-bit dot products, for few-row steps (decode,
+    speculative verify) and for weight-only quantization."""
+    return _ops.linear_widened(input, weight, bias, weight_scale, weight_zero)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor) -> None:
@@ -126,7 +130,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: t
 
 
 @torch.library.register_fake("minipaged::linear_widened")
-def _linear_widened_fake(input, weight, bias=None, weight_scale=None):
+def _linear_widened_fake(input, weight, bias=None, weight_scale=None, weight_zero=None):
     return input.new_empty((*input.shape[:-1], weight.size(0)))
 
 

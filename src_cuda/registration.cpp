@@ -35,10 +35,11 @@ TORCH_LIBRARY(minipaged, m) {
   m.def(
       "copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping, "
       "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
-  // input @ weight.T + bias with a float32/bfloat16/float16 weight, in float32 arithmetic
-  // (cpu/linear.cpp): for CPUs without 16-bit dot products, and few-row steps that should read the
-  // weight once. Returns input's dtype. CPU only.
-  m.def("linear_widened(Tensor input, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> Tensor");
+  // input @ weight.T + bias with a float32/bfloat16/float16 weight, or int8 (weight_scale per
+  // output row) or int4 (uint8, two a byte; weight_scale and weight_zero per group), in float32
+  // arithmetic (cpu/linear.cpp): for CPUs without 16-bit dot products, few-row steps that should
+  // read the weight once, and weight-only quantization. Returns input's dtype. CPU only.
+  m.def("linear_widened(Tensor input, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None, Tensor? weight_zero=None) -> Tensor");
   // logits[r, t] = -inf for each row r in indices and token t whose bit is clear in bitmask[r]
   // (int32 [rows, ceil(vocab / 32)], token t at bit t % 32 of word t // 32; tokens past the
   // bitmask are masked too): a grammar's allowed tokens (cpu/token_bitmask.cpp). CPU only.

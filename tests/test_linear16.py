@@ -1,4 +1,4 @@
-"""float32, bfloat16 and float16 weights computed in float32 (minipaged_ops.linear_widened,
+"""float32, bfloat16, float16, int8 and int4 weights computed in float32 (minipaged_ops.linear_widened,
 integration.linear16): the op against a float64 reference on fresh random inputs of odd shapes
 (streamed few-row steps, several weight blocks, a partial last one, zero rows), its errors, and the
 engine keeping a 16-bit model's weights 16-bit."""
@@ -82,6 +82,47 @@ def test_int8_weight_with_a_scale_per_output_row(shape, scale_dtype):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=rtol)
 
 
+# (rows, in_features, out_features, group): streamed (<= 24 rows: groups of 4 rows and a partial
+# last one, an odd last weight row) and GEMM paths, groups of 32 to 256 columns and a group of 96
+# (three 32-weight chunks), several weight blocks and a partial last one, zero rows and zero inputs.
+INT4_SHAPES = [(1, 32, 1, 32), (2, 64, 3, 32), (3, 96, 5, 96), (4, 1024, 70, 32), (5, 320, 1000, 64),
+               (7, 128, 9, 128), (8, 1024, 257, 32), (9, 2048, 17, 256), (13, 2080, 200, 32), (20, 512, 64, 256),
+               (23, 96, 5, 32), (24, 64, 40, 32), (25, 64, 33, 32), (37, 96, 129, 32), (40, 1024, 300, 128),
+               (2, 40000, 13, 32), (0, 32, 8, 32), (4, 0, 6, 0)]
+
+
+def int4_case(rows, k, n, group, scale_dtype, seed):
+    """x, packed weight, scale, zero, bias, and the dequantized weight in float64."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if q.numel():
+        q.view(-1)[:2] = torch.tensor([0, 15], dtype=torch.uint8)  # both ends of the range
+    scale = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    zero = (torch.rand(n, groups, generator=g) * 15).to(scale_dtype)
+    halves = q.reshape(n, -1, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+    per_column = lambda t: t.double().repeat_interleave(group, dim=1) if group else t.double()[:, :0]
+    dequantized = (q.double() - per_column(zero)) * per_column(scale)
+    return torch.randn(rows, k, generator=g), packed, scale, zero, torch.randn(n, generator=g), dequantized
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_weight_with_a_scale_and_zero_per_group(shape, scale_dtype):
+    rows, k, n, group = shape
+    x, packed, scale, zero, b, dequantized = int4_case(*shape, scale_dtype, seed=hash((shape, "int4")) % 2**31)
+    out = minipaged_ops.linear_widened(x, packed, b, weight_scale=scale, weight_zero=zero)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    ref = x.double() @ dequantized.T + b.double()
+    # |w| up to ~15 scales of 0.021: float32 sums of k such terms
+    tol, rtol = 1e-5 * max(k, 1) ** 0.5 * 4 * 16 * 0.021, 1e-5
+    if rows > 24 and minipaged_ops.cpu_isa() in ("avx512_bf16", "avx512_amx"):
+        # the GEMM path runs in bfloat16 there: inputs, dequantized weights and the product rounded
+        tol, rtol = 2**-8 * max(k, 1) ** 0.5 * 4 * 16 * 0.021, 2**-7
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=rtol)
+
+
 def test_non_contiguous_weight_and_input():
     w = torch.randn(64, 40).to(torch.bfloat16)[::2, 3:35]  # strided view
     x = torch.randn(40, 5).T[:, 3:35]  # [5, 32], non-contiguous
@@ -90,9 +131,27 @@ def test_non_contiguous_weight_and_input():
 
 
 @pytest.mark.parametrize("args, match", [
-    ((torch.randn(2, 8), torch.randn(4, 8).double()), "float32, bfloat16, float16 or int8"),
+    ((torch.randn(2, 8), torch.randn(4, 8).double()), "float32, bfloat16, float16, int8 or uint8"),
     ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8)), "weight_scale .* only with it; weight is Char, "
                                                                "weight_scale not given"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 2)),
+     "weight_zero .* only with it; weight is Byte, weight_zero not given"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, None, torch.ones(4, 2)),
+     "weight_scale .* only with it; weight is Byte, weight_scale not given"),
+    ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, torch.ones(4), torch.ones(4)),
+     "weight_zero .* only with it; weight is Char, weight_zero given"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 2), torch.ones(4, 2).bfloat16()),
+     r"weight_scale and weight_zero must both be float32 or both bfloat16, \[4, groups\]"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 2).half(), torch.ones(4, 2).half()),
+     "must both be float32 or both bfloat16"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4), torch.ones(4)),
+     "must both be float32 or both bfloat16"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 4), torch.ones(4, 4)),
+     "groups must be whole multiples of 32 input columns; 64 columns .* in 4 groups"),
+    ((torch.randn(2, 64), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 3), torch.ones(4, 3)),
+     "whole multiples of 32"),
+    ((torch.randn(2, 32), torch.ones(4, 32, dtype=torch.uint8), None, torch.ones(4, 2), torch.ones(4, 2)),
+     r"must equal weight's in_features \(64: two a byte\)"),
     ((torch.randn(2, 8), torch.randn(4, 8), None, torch.ones(4)), "weight_scale .*weight is Float, weight_scale given"),
     ((torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, torch.ones(5)), r"weight_scale must be a "
                                                                                  r"floating-point \[4\]"),
@@ -138,10 +197,13 @@ def test_engine_keeps_16bit_weights_and_says_so():
 @pytest.mark.parametrize("weight, scale", [
     (torch.randn(40, 24), None),
     (torch.randn(40, 24).bfloat16(), None),
-    (torch.randint(-128, 128, (40, 24), dtype=torch.int8), torch.rand(40) * 0.01),
-], ids=["float32", "bfloat16", "int8"])
+    (torch.randint(-128, 128, (40, 64), dtype=torch.int8), torch.rand(40) * 0.01),
+    (torch.randint(0, 256, (40, 32), dtype=torch.uint8), (torch.rand(40, 2) * 0.01, torch.rand(40, 2) * 15)),
+], ids=["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("rows", [3, 30], ids=["streamed", "gemm"])
 def test_opcheck(weight, scale, rows):
     # schema, fake (torch.compile's shapes) and the op agree
-    args = (torch.randn(rows, 24), weight, torch.randn(40), scale)
+    scale, zero = scale if isinstance(scale, tuple) else (scale, None)
+    in_features = 64 if weight.dtype == torch.uint8 or weight.dtype == torch.int8 else 24
+    args = (torch.randn(rows, in_features), weight, torch.randn(40), scale, zero)
     torch.library.opcheck(torch.ops.minipaged.linear_widened.default, args)

@@ -39,6 +39,12 @@ inline Lanes lanes_loadu(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loa
 inline Lanes lanes_loadu(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// Vector v of the 32 int4 weights at p (16 bytes; byte i holds weight i in its low nibble and
+// weight 16 + i in its high one, linear.cpp's layout) as float32: weights v * kLanes onwards.
+inline Lanes lanes_load_int4(const uint8_t* p, int v) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(v == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4));
+}
 inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
 inline void lanes_storeu(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
@@ -75,6 +81,10 @@ inline Lanes lanes_loadu(const c10::BFloat16* p) {
 inline Lanes lanes_loadu(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Lanes lanes_loadu(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Lanes lanes_load_int4(const uint8_t* p, int v) {  // bytes 0-7 hold weights 0-7 and 16-23
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v & 1))));
+  return _mm256_cvtepi32_ps(v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4));
 }
 inline float lanes_hsum(Lanes v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

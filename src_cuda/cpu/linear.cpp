@@ -1,6 +1,7 @@
 // linear_widened: input @ weight.T (+ bias) in float32 arithmetic for a float32, bfloat16,
-// float16 or int8 weight (int8 with a scale per output row, weight-only quantization), the weight
-// staying in its format in memory. Two paths:
+// float16, int8 or int4 weight (weight-only quantization: int8 with a scale per output row, int4
+// with a scale and zero point per group of input columns), the weight staying in its format in
+// memory. Two paths:
 // - few input rows (decode, a speculative verify: at most kStreamRows): the weight is streamed
 //   once, each weight row meeting every input row while it is in registers. The float32 GEMM of
 //   the build (MKL) takes about as long per row at 2-8 rows as at one on AMD Zen 3 (4-5 G FMA/s on
@@ -74,12 +75,69 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);  // vcvtph2ps with F16C
 }
 
+// An int4 weight: n rows of k / 2 bytes, each 32 weights in 16 bytes (byte i holds weight i in its
+// low nibble and weight 16 + i in its high one: two shifts give 16 weights in order, llama.cpp's
+// Q4_0 order), and per row k / group scales and zero points: w = (q - zero) * scale, the
+// convention of HQQ and torchao. scale_t: float or c10::BFloat16.
+template <typename scale_t>
+struct Int4Weight {
+  const uint8_t* q;
+  const scale_t* scale;
+  const scale_t* zero;
+  int64_t k, group;
+  int64_t groups() const { return k / group; }
+  // q * scale + shift = (q - zero) * scale for group g of row r
+  float scale_of(int64_t r, int64_t g) const { return static_cast<float>(scale[r * groups() + g]); }
+  float shift_of(int64_t r, int64_t g) const { return -static_cast<float>(zero[r * groups() + g]) * scale_of(r, g); }
+};
+
+// The 32 weights of one int4 chunk, dequantized: in vectors where the widened type has a vector
+// store here (float32; bfloat16 on CPUs with AVX512-BF16's rounding conversion), else one by one.
+template <typename widened_t>
+inline void widen_int4_chunk(const uint8_t* bytes, float scale, float shift, widened_t* out) {
+#if defined(MINIPAGED_LANES)
+  if constexpr (std::is_same_v<widened_t, float>) {
+#pragma GCC unroll 4
+    for (int v = 0; v < 32 / kLanes; ++v)
+      lanes_storeu(out + v * kLanes, lanes_fmadd(lanes_load_int4(bytes, v), lanes_set1(scale), lanes_set1(shift)));
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<widened_t, c10::BFloat16>) {
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {  // rounded to nearest even, as c10::BFloat16(float)
+      const __m256bh rounded = _mm512_cvtneps_pbh(lanes_fmadd(lanes_load_int4(bytes, v), lanes_set1(scale), lanes_set1(shift)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 16), reinterpret_cast<const __m256i&>(rounded));
+    }
+    return;
+  }
+#endif
+#endif
+  for (int i = 0; i < 16; ++i) {
+    out[i] = static_cast<widened_t>(static_cast<float>(bytes[i] & 0xF) * scale + shift);
+    out[16 + i] = static_cast<widened_t>(static_cast<float>(bytes[i] >> 4) * scale + shift);
+  }
+}
+
+// Rows [n0, n0 + nc) of an int4 weight, dequantized (into float32, or rounded to bfloat16): a
+// prompt's GEMM at a few dozen rows waits mostly on this.
+template <typename widened_t, typename scale_t>
+void widen_int4(const Int4Weight<scale_t>& w, int64_t n0, int64_t nc, widened_t* dst) {
+  for (int64_t r = n0; r < n0 + nc; ++r)
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      const float scale = w.scale_of(r, g), shift = w.shift_of(r, g);
+      for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 32)
+        widen_int4_chunk(w.q + r * (w.k / 2) + c / 2, scale, shift, dst + (r - n0) * w.k + c);
+    }
+}
+
 // out[:, n0:n0+nc] = x @ w[n0:n0+nc].T for every block of nc rows; each thread its own blocks.
 // widened_t: float (the float32 GEMM of the build: MKL, OpenBLAS) or, for an int8 weight on a CPU
 // with bfloat16 dot products, c10::BFloat16 (oneDNN's bfloat16 GEMM, twice float32's rate there;
 // the inputs are then rounded to bfloat16, as torch's own bfloat16 linear rounds them).
-template <typename widened_t, typename scalar_t>
-void widened_gemm(const at::Tensor& x_float, const scalar_t* w, at::Tensor& out) {
+// widen_rows(n0, nc, buffer) writes weight rows [n0, n0 + nc) widened into the buffer.
+template <typename widened_t, typename WidenRows>
+void widened_gemm_by(const at::Tensor& x_float, const WidenRows& widen_rows, at::Tensor& out) {
   const at::Tensor x = x_float.to(c10::CppTypeToScalarType<widened_t>::value);
   const int64_t k = x.size(1), n = out.size(1);
   const int64_t block = std::max<int64_t>(kMinBlockRows, kBlockBytes / (k * int64_t(sizeof(float))));
@@ -91,13 +149,19 @@ void widened_gemm(const at::Tensor& x_float, const scalar_t* w, at::Tensor& out)
     widened_t* widened = buffer.data_ptr<widened_t>();
     for (int64_t b = first; b < last; ++b) {
       const int64_t n0 = b * block, nc = std::min(block, n - n0);
-      widen(w + n0 * k, widened, nc * k);
+      widen_rows(n0, nc, widened);
       // one thread here: this loop is the parallel one
       at::Tensor out_block = out.narrow(1, n0, nc);
       if constexpr (std::is_same_v<widened_t, float>) at::mm_out(out_block, x, buffer.narrow(0, 0, nc).t());
       else out_block.copy_(at::mm(x, buffer.narrow(0, 0, nc).t()));
     }
   });
+}
+
+template <typename widened_t, typename scalar_t>
+void widened_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
+  const int64_t k = x.size(1);
+  widened_gemm_by<widened_t>(x, [w, k](int64_t n0, int64_t nc, widened_t* dst) { widen(w + n0 * k, dst, nc * k); }, out);
 }
 
 #if defined(MINIPAGED_LANES)
@@ -155,10 +219,67 @@ inline void dot_group(int64_t group, const float* x, const scalar_t* w, int64_t 
   }
 }
 
+// dot_tile for R rows of an int4 weight from row r0: each 32-weight chunk widened in registers and
+// dequantized (one FMA per vector, shared by the M input rows) with its group's scale and shift.
+template <int M, int R, typename scale_t>
+inline void dot_tile_int4(const float* x, const Int4Weight<scale_t>& w, int64_t r0, float* out, int64_t ldo) {
+  constexpr int V = 32 / kLanes;  // vectors per chunk
+  constexpr int U = R * M >= 4 ? 1 : 4 / (R * M);
+  const int64_t k = w.k;
+  Lanes acc[U][R][M];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    Lanes scale[R], shift[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) scale[r] = lanes_set1(w.scale_of(r0 + r, g)), shift[r] = lanes_set1(w.shift_of(r0 + r, g));
+    for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) {
+        Lanes wv[R];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r)
+          wv[r] = lanes_fmadd(lanes_load_int4(w.q + (r0 + r) * (k / 2) + c / 2, v), scale[r], shift[r]);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const Lanes xv = lanes_loadu(x + m * k + c + v * kLanes);
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) acc[v % U][r][m] = lanes_fmadd(wv[r], xv, acc[v % U][r][m]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      Lanes total = acc[0][r][m];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r][m]);
+      out[r + m * ldo] = lanes_hsum(total);
+    }
+  }
+}
+
+template <int R, typename scale_t>
+inline void dot_group(int64_t group, const float* x, const Int4Weight<scale_t>& w, int64_t r0, float* out, int64_t ldo) {
+  switch (group) {
+    case 1: dot_tile_int4<1, R>(x, w, r0, out, ldo); break;
+    case 2: dot_tile_int4<2, R>(x, w, r0, out, ldo); break;
+    case 3: dot_tile_int4<3, R>(x, w, r0, out, ldo); break;
+    default: dot_tile_int4<4, R>(x, w, r0, out, ldo); break;
+  }
+}
+
 // out = x @ w.T for rows <= kStreamRows: each weight row read from memory once, two at a time,
 // meeting the input rows a group of kRowGroup at a time (a later group finds the rows in L1).
-template <typename scalar_t>
-void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
+// weight_t: a pointer to the weight's rows, or an Int4Weight.
+template <typename weight_t>
+void streamed_gemm(const at::Tensor& x, const weight_t& w, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -167,8 +288,13 @@ void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
       const int64_t j = 2 * pair;
       for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
         const int64_t group = std::min<int64_t>(kRowGroup, rows - m0);
-        if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
-        else dot_group<1>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+        if constexpr (std::is_pointer_v<weight_t>) {
+          if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+          else dot_group<1>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
+        } else {
+          if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w, j, os + m0 * n + j, n);
+          else dot_group<1>(group, xs + m0 * k, w, j, os + m0 * n + j, n);
+        }
       }
     }
   });
@@ -176,28 +302,67 @@ void streamed_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
 
 #endif  // MINIPAGED_LANES
 
-at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          const std::optional<at::Tensor>& weight_scale) {
+// The argument checks; returns in_features (twice weight's columns for int4).
+int64_t check_linear_arguments(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& weight_scale,
+                               const std::optional<at::Tensor>& weight_zero) {
   TORCH_CHECK(weight.dim() == 2, "linear_widened: weight must be 2-D [out_features, in_features], got ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
-                  weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kChar,
-              "linear_widened: weight must be float32, bfloat16, float16 or int8, got ", weight.scalar_type());
-  const bool int8 = weight.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 == weight_scale.has_value(), "linear_widened: weight_scale (a scale per output row) goes with an "
-              "int8 weight and only with it; weight is ", weight.scalar_type(), ", weight_scale ",
+  const at::ScalarType wtype = weight.scalar_type();
+  TORCH_CHECK(wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kHalf || wtype == at::kChar ||
+                  wtype == at::kByte,
+              "linear_widened: weight must be float32, bfloat16, float16, int8 or uint8 (int4, two a byte), got ", wtype);
+  const bool int8 = wtype == at::kChar, int4 = wtype == at::kByte;
+  const int64_t n = weight.size(0), k = int4 ? 2 * weight.size(1) : weight.size(1);
+  TORCH_CHECK((int8 || int4) == weight_scale.has_value(), "linear_widened: weight_scale goes with an int8 or int4 "
+              "(uint8) weight and only with it; weight is ", wtype, ", weight_scale ",
               weight_scale.has_value() ? "given" : "not given");
+  TORCH_CHECK(int4 == weight_zero.has_value(), "linear_widened: weight_zero goes with an int4 (uint8) weight and only "
+              "with it; weight is ", wtype, ", weight_zero ", weight_zero.has_value() ? "given" : "not given");
   if (int8)
-    TORCH_CHECK(weight_scale->dim() == 1 && weight_scale->size(0) == weight.size(0) && weight_scale->is_floating_point(),
-                "linear_widened: weight_scale must be a floating-point [", weight.size(0), "], got ",
+    TORCH_CHECK(weight_scale->dim() == 1 && weight_scale->size(0) == n && weight_scale->is_floating_point(),
+                "linear_widened: weight_scale must be a floating-point [", n, "] for an int8 weight, got ",
                 weight_scale->scalar_type(), " ", weight_scale->sizes());
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "linear_widened: input's last dimension (",
-              input.dim() ? input.size(-1) : 0, ") must equal weight's in_features (", weight.size(1), ")");
+  if (int4) {
+    for (const at::Tensor& t : {*weight_scale, *weight_zero})
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) >= 1 &&
+                      (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                      t.scalar_type() == weight_scale->scalar_type() && t.sizes() == weight_scale->sizes(),
+                  "linear_widened: an int4 weight's weight_scale and weight_zero must both be float32 or both "
+                  "bfloat16, [", n, ", groups]; got ", weight_scale->scalar_type(), " ", weight_scale->sizes(), " and ",
+                  weight_zero->scalar_type(), " ", weight_zero->sizes());
+    const int64_t groups = weight_scale->size(1);
+    TORCH_CHECK(k % groups == 0 && (k / groups) % 32 == 0, "linear_widened: an int4 weight's groups must be whole "
+                "multiples of 32 input columns; ", k, " columns (2 x ", weight.size(1), " bytes) in ", groups, " groups");
+  }
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == k, "linear_widened: input's last dimension (",
+              input.dim() ? input.size(-1) : 0, ") must equal weight's in_features (", k, int4 ? ": two a byte" : "",
+              ")");
   TORCH_CHECK(input.is_floating_point(), "linear_widened: input must be floating point, got ", input.scalar_type());
-  const int64_t k = weight.size(1), n = weight.size(0);
   if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_widened: bias must be [", n, "], got ",
-                bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_widened: bias must be [", n, "], got ", bias->sizes());
+  return k;
+}
+
+// out = x @ dequantized(w).T for an int4 weight, on either path.
+template <typename scale_t>
+void int4_gemm(const at::Tensor& x, const Int4Weight<scale_t>& w, at::Tensor& out) {
+#if defined(MINIPAGED_LANES)
+  if (x.size(0) <= kStreamRows) return streamed_gemm(x, w, out);
+#endif
+#if defined(__AVX512BF16__)
+  using widened_t = c10::BFloat16;  // oneDNN's bfloat16 GEMM, as for int8
+#else
+  using widened_t = float;
+#endif
+  widened_gemm_by<widened_t>(x, [&w](int64_t n0, int64_t nc, widened_t* dst) { widen_int4(w, n0, nc, dst); }, out);
+}
+
+at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& weight_zero) {
+  const int64_t k = check_linear_arguments(input, weight, bias, weight_scale, weight_zero);
+  const int64_t n = weight.size(0);
+  const bool int8 = weight.scalar_type() == at::kChar, int4 = weight.scalar_type() == at::kByte;
   const at::Tensor w = weight.contiguous();
   int64_t rows = 1;  // not reshape({-1, k}): k may be 0
   for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
@@ -206,6 +371,14 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
   if (rows > 0 && n > 0) {
     if (k == 0) {
       out.zero_();
+    } else if (int4) {
+      const at::Tensor scale = weight_scale->contiguous(), zero = weight_zero->contiguous();
+      const int64_t group = k / scale.size(1);
+      if (scale.scalar_type() == at::kFloat)
+        int4_gemm(x, Int4Weight<float>{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>(), k, group}, out);
+      else
+        int4_gemm(x, Int4Weight<c10::BFloat16>{w.data_ptr<uint8_t>(), scale.data_ptr<c10::BFloat16>(),
+                                               zero.data_ptr<c10::BFloat16>(), k, group}, out);
 #if defined(MINIPAGED_LANES)
     } else if (rows <= kStreamRows) {
       if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
