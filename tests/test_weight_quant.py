@@ -24,8 +24,9 @@ import weight_quality  # noqa: E402
 
 AGREEMENT = {"int8": 0.95, "int4": 0.90}
 # Mean KL(bfloat16 || quantized) per step, nats: ~3x what bench/weight_quality.py measured on this
-# workload (bench/RESULTS.md)
-MEAN_KL = {"int8": 3e-3, "int4": 0.06}
+# workload for int8 (bench/RESULTS.md); for int4 1.8x (0.0083), under the 0.0174 it measures without
+# Int4Linear's column equalization, so that losing it fails here
+MEAN_KL = {"int8": 3e-3, "int4": 0.015}
 
 
 def _linear(k, n, dtype, bias, seed):
@@ -77,8 +78,11 @@ def test_int4_layer_is_its_dequantized_weight(dtype, shape, rows):
     assert q.packed.dtype == torch.uint8 and q.packed.shape == (shape[1], shape[0] // 2)
     assert q.scale.shape == q.zero.shape == (shape[1], shape[0] // 32)
     dequantized = q.dequantized().double()
-    # HQQ fits each group's scale and zero point: within about a step of the bfloat16 weight
-    assert ((dequantized - layer.weight.bfloat16().double()).abs() <= q.scale.double().repeat_interleave(32, 1)).all()
+    # HQQ fits each group's scale and zero point: within about a step of the bfloat16 weight, a step
+    # of the equalized weight times its column's scale
+    step = q.scale.double().repeat_interleave(32, 1) * q.column_scale.double()
+    assert ((dequantized - layer.weight.bfloat16().double()).abs() <= step).all()
+    assert q.column_scale.shape == (shape[0],) and (q.column_scale > 0).all()
     ref = x.double() @ dequantized.T + layer.bias.double()
     out = q(x)
     assert out.dtype == dtype and out.shape == (rows, shape[1])
