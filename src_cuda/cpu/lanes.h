@@ -45,6 +45,20 @@ inline Lanes lanes_load_int4(const uint8_t* p, int v) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtepi32_ps(v == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4));
 }
+// A group's int4 weights dequantized, q * scale + shift: on AVX-512 the 16 values a group can take
+// are one vector, and vpermps looks 16 weights up at once (it reads an index's low 4 bits only, so
+// the low nibbles need no mask): 4 operations per 32 weights where converting takes 7.
+struct Int4Table {
+  Lanes values;
+};
+inline Int4Table lanes_int4_table(float scale, float shift) {
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return {_mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(shift))};
+}
+inline Lanes lanes_int4_lookup(const uint8_t* p, int v, const Int4Table& table) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_permutexvar_ps(v == 0 ? bytes : _mm512_srli_epi32(bytes, 4), table.values);
+}
 inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
 inline void lanes_storeu(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
@@ -85,6 +99,14 @@ inline Lanes lanes_loadu(const int8_t* p) {
 inline Lanes lanes_load_int4(const uint8_t* p, int v) {  // bytes 0-7 hold weights 0-7 and 16-23
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v & 1))));
   return _mm256_cvtepi32_ps(v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4));
+}
+// AVX2's vpermps takes 8 entries, not a group's 16: the weights are converted and scaled instead.
+struct Int4Table {
+  Lanes scale, shift;
+};
+inline Int4Table lanes_int4_table(float scale, float shift) { return {_mm256_set1_ps(scale), _mm256_set1_ps(shift)}; }
+inline Lanes lanes_int4_lookup(const uint8_t* p, int v, const Int4Table& table) {
+  return _mm256_fmadd_ps(lanes_load_int4(p, v), table.scale, table.shift);
 }
 inline float lanes_hsum(Lanes v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

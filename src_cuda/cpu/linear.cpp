@@ -84,11 +84,22 @@ struct Int4Weight {
   const uint8_t* q;
   const scale_t* scale;
   const scale_t* zero;
-  int64_t k, group;
-  int64_t groups() const { return k / group; }
+  int64_t k, group, groups;  // groups = k / group, not divided again in the loops
   // q * scale + shift = (q - zero) * scale for group g of row r
-  float scale_of(int64_t r, int64_t g) const { return static_cast<float>(scale[r * groups() + g]); }
-  float shift_of(int64_t r, int64_t g) const { return -static_cast<float>(zero[r * groups() + g]) * scale_of(r, g); }
+  float scale_of(int64_t r, int64_t g) const { return static_cast<float>(scale[r * groups + g]); }
+  float shift_of(int64_t r, int64_t g) const { return -static_cast<float>(zero[r * groups + g]) * scale_of(r, g); }
+#if defined(MINIPAGED_LANES)
+  // scale_of and shift_of for groups [g0, g0 + count) of row r, count <= kLanes: one vector at a time
+  // where count is kLanes (a decode step would otherwise spend as long on them as on the weights).
+  void params(int64_t r, int64_t g0, int64_t count, float* scales, float* shifts) const {
+    if (count == kLanes) {
+      const Lanes s = lanes_loadu(scale + r * groups + g0), z = lanes_loadu(zero + r * groups + g0);
+      lanes_storeu(scales, s), lanes_storeu(shifts, lanes_sub(lanes_zero(), lanes_mul(z, s)));
+      return;
+    }
+    for (int64_t i = 0; i < count; ++i) scales[i] = scale_of(r, g0 + i), shifts[i] = shift_of(r, g0 + i);
+  }
+#endif
 };
 
 // The 32 weights of one int4 chunk, dequantized: in vectors where the widened type has a vector
@@ -97,16 +108,17 @@ template <typename widened_t>
 inline void widen_int4_chunk(const uint8_t* bytes, float scale, float shift, widened_t* out) {
 #if defined(MINIPAGED_LANES)
   if constexpr (std::is_same_v<widened_t, float>) {
+    const Int4Table table = lanes_int4_table(scale, shift);
 #pragma GCC unroll 4
-    for (int v = 0; v < 32 / kLanes; ++v)
-      lanes_storeu(out + v * kLanes, lanes_fmadd(lanes_load_int4(bytes, v), lanes_set1(scale), lanes_set1(shift)));
+    for (int v = 0; v < 32 / kLanes; ++v) lanes_storeu(out + v * kLanes, lanes_int4_lookup(bytes, v, table));
     return;
   }
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<widened_t, c10::BFloat16>) {
+    const Int4Table table = lanes_int4_table(scale, shift);
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {  // rounded to nearest even, as c10::BFloat16(float)
-      const __m256bh rounded = _mm512_cvtneps_pbh(lanes_fmadd(lanes_load_int4(bytes, v), lanes_set1(scale), lanes_set1(shift)));
+      const __m256bh rounded = _mm512_cvtneps_pbh(lanes_int4_lookup(bytes, v, table));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 16), reinterpret_cast<const __m256i&>(rounded));
     }
     return;
@@ -124,7 +136,7 @@ inline void widen_int4_chunk(const uint8_t* bytes, float scale, float shift, wid
 template <typename widened_t, typename scale_t>
 void widen_int4(const Int4Weight<scale_t>& w, int64_t n0, int64_t nc, widened_t* dst) {
   for (int64_t r = n0; r < n0 + nc; ++r)
-    for (int64_t g = 0; g < w.groups(); ++g) {
+    for (int64_t g = 0; g < w.groups; ++g) {
       const float scale = w.scale_of(r, g), shift = w.shift_of(r, g);
       for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 32)
         widen_int4_chunk(w.q + r * (w.k / 2) + c / 2, scale, shift, dst + (r - n0) * w.k + c);
@@ -233,22 +245,28 @@ inline void dot_tile_int4(const float* x, const Int4Weight<scale_t>& w, int64_t 
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
-  for (int64_t g = 0; g < w.groups(); ++g) {
-    Lanes scale[R], shift[R];
+  alignas(64) float scales[R][kLanes], shifts[R][kLanes];
+  for (int64_t g0 = 0; g0 < w.groups; g0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, w.groups - g0);
 #pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) scale[r] = lanes_set1(w.scale_of(r0 + r, g)), shift[r] = lanes_set1(w.shift_of(r0 + r, g));
-    for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
+    for (int r = 0; r < R; ++r) w.params(r0 + r, g0, count, scales[r], shifts[r]);
+    for (int64_t i = 0; i < count; ++i) {
+      Int4Table table[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) table[r] = lanes_int4_table(scales[r][i], shifts[r][i]);
+      for (int64_t c = (g0 + i) * w.group; c < (g0 + i + 1) * w.group; c += 32) {
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        Lanes wv[R];
+        for (int v = 0; v < V; ++v) {
+          Lanes wv[R];
 #pragma GCC unroll 2
-        for (int r = 0; r < R; ++r)
-          wv[r] = lanes_fmadd(lanes_load_int4(w.q + (r0 + r) * (k / 2) + c / 2, v), scale[r], shift[r]);
+          for (int r = 0; r < R; ++r)
+            wv[r] = lanes_int4_lookup(w.q + (r0 + r) * (k / 2) + c / 2, v, table[r]);
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const Lanes xv = lanes_loadu(x + m * k + c + v * kLanes);
+          for (int m = 0; m < M; ++m) {
+            const Lanes xv = lanes_loadu(x + m * k + c + v * kLanes);
 #pragma GCC unroll 2
-          for (int r = 0; r < R; ++r) acc[v % U][r][m] = lanes_fmadd(wv[r], xv, acc[v % U][r][m]);
+            for (int r = 0; r < R; ++r) acc[v % U][r][m] = lanes_fmadd(wv[r], xv, acc[v % U][r][m]);
+          }
         }
       }
     }
@@ -375,10 +393,10 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
       const at::Tensor scale = weight_scale->contiguous(), zero = weight_zero->contiguous();
       const int64_t group = k / scale.size(1);
       if (scale.scalar_type() == at::kFloat)
-        int4_gemm(x, Int4Weight<float>{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>(), k, group}, out);
+        int4_gemm(x, Int4Weight<float>{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>(), k, group, k / group}, out);
       else
         int4_gemm(x, Int4Weight<c10::BFloat16>{w.data_ptr<uint8_t>(), scale.data_ptr<c10::BFloat16>(),
-                                               zero.data_ptr<c10::BFloat16>(), k, group}, out);
+                                               zero.data_ptr<c10::BFloat16>(), k, group, k / group}, out);
 #if defined(MINIPAGED_LANES)
     } else if (rows <= kStreamRows) {
       if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
