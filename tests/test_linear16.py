@@ -13,11 +13,12 @@ import minipaged_ops
 WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, in_features, out_features). Up to 24 rows the weight is streamed (row counts 1-9, 13, 20,
 # 23 and 24: groups of 4 rows with a partial last group, an odd last weight row, vector tails);
-# more rows take the GEMM path, with a weight of several blocks of rows and a partial last one (300
-# inputs: 218-row blocks), blocks of the 8-row minimum (40000 inputs), zero rows and zero inputs.
+# more rows take the GEMM path (and every row count on the scalar variant), with a weight of several
+# blocks of rows and a partial last one (1024 inputs: the 128-row minimum; 300 inputs on the scalar
+# variant: 218-row blocks), zero rows and zero inputs.
 SHAPES = [(1, 1, 1), (2, 16, 3), (3, 7, 5), (4, 1029, 70), (5, 300, 1000), (6, 33, 129), (7, 48, 9),
           (8, 1024, 257), (9, 33, 17), (13, 2053, 200), (20, 520, 64), (23, 77, 5), (24, 64, 40), (25, 40, 33),
-          (37, 65, 129), (2, 40000, 13), (5, 5, 2), (0, 16, 8), (4, 0, 6)]
+          (37, 65, 129), (30, 1024, 300), (2, 40000, 13), (5, 5, 2), (0, 16, 8), (4, 0, 6)]
 
 
 def reference(x, w, b):

@@ -37,9 +37,12 @@ namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
 
 // A block's float32 copy fills about half of a 512 KiB L2 (Zen 3, most Intel cores have more),
-// leaving room for the rows of the input it meets.
+// leaving room for the rows of the input it meets; but never fewer than kMinBlockRows rows: a GEMM
+// with a narrow weight block packs the whole input again for few outputs (K = 3072 gave 21-row
+// blocks: bfloat16 at 256 rows ran at 84 GFLOP/s against 185 with 128-row blocks, AVX2 on an
+// Intel Xeon; int8/int4 into oneDNN's bfloat16 GEMM 1.3-1.9x faster at 32-256 rows; bench/RESULTS.md).
 constexpr int64_t kBlockBytes = 256 * 1024;
-constexpr int64_t kMinBlockRows = 8;
+constexpr int64_t kMinBlockRows = 128;
 // Up to this many input rows take the streamed path: on AMD Zen 3 (2 threads, bench/linear_cpu.py
 // --rows) it beats MKL's GEMM at every shape of Qwen3-0.6B up to 24 rows, and loses at 32 with K = 3072.
 constexpr int64_t kStreamRows = 24;
