@@ -180,6 +180,25 @@ void widened_gemm(const at::Tensor& x, const scalar_t* w, at::Tensor& out) {
 }
 
 #if defined(MINIPAGED_LANES)
+template <int U, int R, int M>
+inline void zero_accumulators(Lanes (&acc)[U][R][M]) {
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
+}
+
+// The sum of acc[.][r][m]'s lanes.
+template <int U, int R, int M>
+inline float accumulated(const Lanes (&acc)[U][R][M], int r, int m) {
+  Lanes total = acc[0][r][m];
+#pragma GCC unroll 4
+  for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r][m]);
+  return lanes_hsum(total);
+}
+
 // out[r + m * ldo] = dot(x[m], w[r]) for the M (<= kRowGroup) input rows at x (row stride k) and
 // R (1 or 2) weight rows at w: each input vector loaded once serves R weight rows, each weight
 // vector M input rows (on AVX2, 2 x 4 accumulators leave registers for the loads). U steps of
@@ -189,12 +208,7 @@ template <int M, int R, typename scalar_t>
 inline void dot_tile(const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
   constexpr int U = R * M >= 4 ? 1 : 4 / (R * M);
   Lanes acc[U][R][M];
-#pragma GCC unroll 4
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
+  zero_accumulators(acc);
   int64_t i = 0;
   for (; i + U * kLanes <= k; i += U * kLanes) {
 #pragma GCC unroll 4
@@ -214,23 +228,10 @@ inline void dot_tile(const float* x, const scalar_t* w, int64_t k, float* out, i
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      Lanes total = acc[0][r][m];
-#pragma GCC unroll 4
-      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r][m]);
-      float sum = lanes_hsum(total);
+      float sum = accumulated(acc, r, m);
       for (int64_t j = i; j < k; ++j) sum += static_cast<float>(w[r * k + j]) * x[m * k + j];
       out[r + m * ldo] = sum;
     }
-  }
-}
-
-template <int R, typename scalar_t>
-inline void dot_group(int64_t group, const float* x, const scalar_t* w, int64_t k, float* out, int64_t ldo) {
-  switch (group) {
-    case 1: dot_tile<1, R>(x, w, k, out, ldo); break;
-    case 2: dot_tile<2, R>(x, w, k, out, ldo); break;
-    case 3: dot_tile<3, R>(x, w, k, out, ldo); break;
-    default: dot_tile<4, R>(x, w, k, out, ldo); break;
   }
 }
 
@@ -242,12 +243,7 @@ inline void dot_tile_int4(const float* x, const Int4Weight<scale_t>& w, int64_t 
   constexpr int U = R * M >= 4 ? 1 : 4 / (R * M);
   const int64_t k = w.k;
   Lanes acc[U][R][M];
-#pragma GCC unroll 4
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) acc[u][r][m] = lanes_zero();
+  zero_accumulators(acc);
   alignas(64) float scales[R][kLanes], shifts[R][kLanes];
   for (int64_t g0 = 0; g0 < w.groups; g0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, w.groups - g0);
@@ -278,21 +274,19 @@ inline void dot_tile_int4(const float* x, const Int4Weight<scale_t>& w, int64_t 
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      Lanes total = acc[0][r][m];
-#pragma GCC unroll 4
-      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r][m]);
-      out[r + m * ldo] = lanes_hsum(total);
+      out[r + m * ldo] = accumulated(acc, r, m);
     }
   }
 }
 
-template <int R, typename scale_t>
-inline void dot_group(int64_t group, const float* x, const Int4Weight<scale_t>& w, int64_t r0, float* out, int64_t ldo) {
+// tile(std::integral_constant<int, M>) for M = group, the input rows a tile takes (1 to kRowGroup).
+template <typename Tile>
+inline void with_row_group(int64_t group, const Tile& tile) {
   switch (group) {
-    case 1: dot_tile_int4<1, R>(x, w, r0, out, ldo); break;
-    case 2: dot_tile_int4<2, R>(x, w, r0, out, ldo); break;
-    case 3: dot_tile_int4<3, R>(x, w, r0, out, ldo); break;
-    default: dot_tile_int4<4, R>(x, w, r0, out, ldo); break;
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    default: tile(std::integral_constant<int, 4>{}); break;
   }
 }
 
@@ -308,14 +302,18 @@ void streamed_gemm(const at::Tensor& x, const weight_t& w, at::Tensor& out) {
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t j = 2 * pair;
       for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
-        const int64_t group = std::min<int64_t>(kRowGroup, rows - m0);
-        if constexpr (std::is_pointer_v<weight_t>) {
-          if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
-          else dot_group<1>(group, xs + m0 * k, w + j * k, k, os + m0 * n + j, n);
-        } else {
-          if (j + 1 < n) dot_group<2>(group, xs + m0 * k, w, j, os + m0 * n + j, n);
-          else dot_group<1>(group, xs + m0 * k, w, j, os + m0 * n + j, n);
-        }
+        const float* x_rows = xs + m0 * k;
+        float* out_rows = os + m0 * n + j;
+        with_row_group(std::min<int64_t>(kRowGroup, rows - m0), [&](auto group) {
+          constexpr int M = decltype(group)::value;
+          if constexpr (std::is_pointer_v<weight_t>) {
+            if (j + 1 < n) dot_tile<M, 2>(x_rows, w + j * k, k, out_rows, n);
+            else dot_tile<M, 1>(x_rows, w + j * k, k, out_rows, n);
+          } else {
+            if (j + 1 < n) dot_tile_int4<M, 2>(x_rows, w, j, out_rows, n);
+            else dot_tile_int4<M, 1>(x_rows, w, j, out_rows, n);
+          }
+        });
       }
     }
   });
