@@ -35,7 +35,19 @@ def native_16bit_matmul(dtype: torch.dtype) -> bool:
     isa = minipaged_ops.cpu_isa()
     if dtype == torch.bfloat16:
         return isa in ("avx512_bf16", "avx512_amx")
-    return isa == "avx512_amx" and bool(torch._C._cpu._is_amx_fp16_supported())
+    return isa == "avx512_amx" and "amx_fp16" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset:
+    """The CPU's feature flags as Linux names them (empty elsewhere): torch has no public query for
+    AMX-FP16, and its private one is gone from torch 2.14."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                        frozenset())
+    except OSError:
+        return frozenset()
 
 
 def widens(weight: torch.Tensor) -> bool:
