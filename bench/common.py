@@ -278,11 +278,31 @@ def add_isa_args(ap) -> None:
     ap.add_argument("--isa-rounds", type=int, default=1, help="rounds over the variants with --isa (default 1)")
 
 
+# torch's own kernels (ATen's vectorized loops, oneDNN, MKL) held to each variant's instruction set
+# in its run, so that a baseline (SDPA, a bmm roof, F.linear) is what a CPU of that kind would run:
+# on an AVX-512 machine an avx2 row against an AVX-512 (or AMX) SDPA compared unlike things. Variables
+# the caller set are kept; the best variant's run holds nothing.
+TORCH_ISA_ENV = {
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
+
+
+def isa_env(isa: str, best: str) -> dict:
+    """The environment of a --isa child: MINIPAGED_CPU_ISA, and TORCH_ISA_ENV unless isa is best."""
+    held = {} if isa == best else {k: v for k, v in TORCH_ISA_ENV.get(isa, {}).items() if k not in os.environ}
+    return {"MINIPAGED_CPU_ISA": isa, **held}
+
+
 def run_per_isa(args, argv: list[str] | None) -> bool:
     """With --isa, reruns the calling script (its other arguments unchanged) once per variant and
     round, variants alternating, and prints each run's output under its variant's name; returns
     True then (the caller stops), False without --isa. Each run's ratios are measured inside it, so
-    variants compare by their ratios (a shared machine's load moves the absolute times)."""
+    variants compare by their ratios (a shared machine's load moves the absolute times); torch's
+    kernels are held to the variant's instruction set (TORCH_ISA_ENV)."""
     if not args.isa:
         return False
     import minipaged_ops
@@ -299,9 +319,10 @@ def run_per_isa(args, argv: list[str] | None) -> bool:
             rest.append(a)
     for r in range(args.isa_rounds):
         for isa in isas:
-            out = subprocess.run([sys.executable, sys.argv[0], *rest], env={**os.environ, "MINIPAGED_CPU_ISA": isa},
+            env = isa_env(isa, minipaged_ops.supported_cpu_isas()[-1])
+            out = subprocess.run([sys.executable, sys.argv[0], *rest], env={**os.environ, **env},
                                  check=True, capture_output=True, text=True).stdout
             of_rounds = f", round {r + 1} of {args.isa_rounds}" if args.isa_rounds > 1 else ""
-            print(f"=== MINIPAGED_CPU_ISA={isa}{of_rounds}")
+            print(f"=== {' '.join(f'{k}={v}' for k, v in env.items())}{of_rounds}")
             print(out.rstrip(), flush=True)
     return True

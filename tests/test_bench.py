@@ -261,3 +261,16 @@ def test_serve_compares_kv_cache_formats_in_the_same_memory(tmp_path):
         assert min(map(int, rows[fmt][4:6])) > max(map(int, rows["auto"][4:6])), out  # more requests running
     for row in ("engine", "engine int8", "engine fp8_e5m2"):
         assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+", out, re.M), out
+
+
+def test_per_isa_runs_hold_torch_to_the_variant_unless_told(monkeypatch):
+    import common
+
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    assert common.isa_env("avx2", "avx512_amx") == {"MINIPAGED_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                                     "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert common.isa_env("avx2", "avx2") == {"MINIPAGED_CPU_ISA": "avx2"}  # the best variant: torch as it is
+    assert common.isa_env("avx512_amx", "avx512_amx") == {"MINIPAGED_CPU_ISA": "avx512_amx"}
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512")  # the caller's own setting stays
+    assert "MKL_ENABLE_INSTRUCTIONS" not in common.isa_env("avx2", "avx512")
