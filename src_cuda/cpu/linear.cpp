@@ -235,8 +235,9 @@ inline void dot_tile(const float* x, const scalar_t* w, int64_t k, float* out, i
   }
 }
 
-// dot_tile for R rows of an int4 weight from row r0: each 32-weight chunk widened in registers and
-// dequantized (one FMA per vector, shared by the M input rows) with its group's scale and shift.
+// dot_tile for R rows of an int4 weight from row r0: each 32-weight chunk dequantized in registers
+// through its group's Int4Table (lanes.h: a lookup on AVX-512, a conversion and an FMA on AVX2),
+// each dequantized vector shared by the M input rows.
 template <int M, int R, typename scale_t>
 inline void dot_tile_int4(const float* x, const Int4Weight<scale_t>& w, int64_t r0, float* out, int64_t ldo) {
   constexpr int V = 32 / kLanes;  // vectors per chunk
