@@ -34,16 +34,10 @@ X86_OPTIONS = {"GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "
                "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
 
 
-def cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def build_options() -> tuple[str, tuple]:
     """(build folder name, CMake options) for this CPU."""
+    from minipaged_ops.integration.linear16 import cpu_flags
+
     flags = cpu_flags()
     if "amx_int8" not in flags or os.environ.get("LLAMA_CPP_AMX") == "1":
         return "build", CMAKE_OPTIONS

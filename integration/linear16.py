@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import minipaged_ops
 
-__all__ = ["WidenedLinear", "linear", "native_16bit_matmul", "widen_linears"]
+__all__ = ["WidenedLinear", "cpu_flags", "linear", "native_16bit_matmul", "widen_linears"]
 
 _16BIT = (torch.bfloat16, torch.float16)
 
@@ -35,11 +35,11 @@ def native_16bit_matmul(dtype: torch.dtype) -> bool:
     isa = minipaged_ops.cpu_isa()
     if dtype == torch.bfloat16:
         return isa in ("avx512_bf16", "avx512_amx")
-    return isa == "avx512_amx" and "amx_fp16" in _cpu_flags()
+    return isa == "avx512_amx" and "amx_fp16" in cpu_flags()
 
 
 @functools.cache
-def _cpu_flags() -> frozenset:
+def cpu_flags() -> frozenset:
     """The CPU's feature flags as Linux names them (empty elsewhere): torch has no public query for
     AMX-FP16, and its private one is gone from torch 2.14."""
     try:

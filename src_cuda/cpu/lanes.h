@@ -40,12 +40,8 @@ inline Lanes lanes_loadu(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // Vector v of the 32 int4 weights at p (16 bytes; byte i holds weight i in its low nibble and
-// weight 16 + i in its high one, linear.cpp's layout) as float32: weights v * kLanes onwards.
-inline Lanes lanes_load_int4(const uint8_t* p, int v) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtepi32_ps(v == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4));
-}
-// A group's int4 weights dequantized, q * scale + shift: on AVX-512 the 16 values a group can take
+// weight 16 + i in its high one, linear.cpp's layout; weights v * kLanes onwards), dequantized as
+// q * scale + shift of their group: on AVX-512 the 16 values a group can take
 // are one vector, and vpermps looks 16 weights up at once (it reads an index's low 4 bits only, so
 // the low nibbles need no mask): 4 operations per 32 weights where converting takes 7.
 struct Int4Table {
@@ -96,7 +92,8 @@ inline Lanes lanes_loadu(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_
 inline Lanes lanes_loadu(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline Lanes lanes_load_int4(const uint8_t* p, int v) {  // bytes 0-7 hold weights 0-7 and 16-23
+// The weights as float32 (bytes 0-7 hold weights 0-7 and 16-23, bytes 8-15 the rest).
+inline Lanes lanes_load_int4(const uint8_t* p, int v) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v & 1))));
   return _mm256_cvtepi32_ps(v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4));
 }

@@ -147,8 +147,8 @@ void widen_int4(const Int4Weight<scale_t>& w, int64_t n0, int64_t nc, widened_t*
 }
 
 // out[:, n0:n0+nc] = x @ w[n0:n0+nc].T for every block of nc rows; each thread its own blocks.
-// widened_t: float (the float32 GEMM of the build: MKL, OpenBLAS) or, for an int8 weight on a CPU
-// with bfloat16 dot products, c10::BFloat16 (oneDNN's bfloat16 GEMM, twice float32's rate there;
+// widened_t: float (the float32 GEMM of the build: MKL, OpenBLAS) or, for an int8 or int4 weight on
+// a CPU with bfloat16 dot products (quantized_widened_t), c10::BFloat16 (oneDNN's bfloat16 GEMM, twice float32's rate there;
 // the inputs are then rounded to bfloat16, as torch's own bfloat16 linear rounds them).
 // widen_rows(n0, nc, buffer) writes weight rows [n0, n0 + nc) widened into the buffer.
 template <typename widened_t, typename WidenRows>
@@ -364,18 +364,27 @@ int64_t check_linear_arguments(const at::Tensor& input, const at::Tensor& weight
   return k;
 }
 
+// What an int8 or int4 weight widens into for a prompt's GEMM (widened_gemm_by says why).
+#if defined(__AVX512BF16__)
+using quantized_widened_t = c10::BFloat16;
+#else
+using quantized_widened_t = float;
+#endif
+
 // out = x @ dequantized(w).T for an int4 weight, on either path.
 template <typename scale_t>
 void int4_gemm(const at::Tensor& x, const Int4Weight<scale_t>& w, at::Tensor& out) {
 #if defined(MINIPAGED_LANES)
   if (x.size(0) <= kStreamRows) return streamed_gemm(x, w, out);
 #endif
-#if defined(__AVX512BF16__)
-  using widened_t = c10::BFloat16;  // oneDNN's bfloat16 GEMM, as for int8
-#else
-  using widened_t = float;
-#endif
-  widened_gemm_by<widened_t>(x, [&w](int64_t n0, int64_t nc, widened_t* dst) { widen_int4(w, n0, nc, dst); }, out);
+  widened_gemm_by<quantized_widened_t>(
+      x, [&w](int64_t n0, int64_t nc, quantized_widened_t* dst) { widen_int4(w, n0, nc, dst); }, out);
+}
+
+template <typename scale_t>
+Int4Weight<scale_t> int4_weight(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t k) {
+  const int64_t groups = scale.size(1);
+  return {q.data_ptr<uint8_t>(), scale.data_ptr<scale_t>(), zero.data_ptr<scale_t>(), k, k / groups, groups};
 }
 
 at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -393,12 +402,8 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
       out.zero_();
     } else if (int4) {
       const at::Tensor scale = weight_scale->contiguous(), zero = weight_zero->contiguous();
-      const int64_t group = k / scale.size(1);
-      if (scale.scalar_type() == at::kFloat)
-        int4_gemm(x, Int4Weight<float>{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>(), k, group, k / group}, out);
-      else
-        int4_gemm(x, Int4Weight<c10::BFloat16>{w.data_ptr<uint8_t>(), scale.data_ptr<c10::BFloat16>(),
-                                               zero.data_ptr<c10::BFloat16>(), k, group, k / group}, out);
+      if (scale.scalar_type() == at::kFloat) int4_gemm(x, int4_weight<float>(w, scale, zero, k), out);
+      else int4_gemm(x, int4_weight<c10::BFloat16>(w, scale, zero, k), out);
 #if defined(MINIPAGED_LANES)
     } else if (rows <= kStreamRows) {
       if (w.scalar_type() == at::kFloat) streamed_gemm(x, w.data_ptr<float>(), out);
@@ -411,11 +416,7 @@ at::Tensor linear_widened(const at::Tensor& input, const at::Tensor& weight, con
     } else if (w.scalar_type() == at::kBFloat16) {
       widened_gemm<float>(x, w.data_ptr<c10::BFloat16>(), out);
     } else if (int8) {
-#if defined(__AVX512BF16__)
-      widened_gemm<c10::BFloat16>(x, w.data_ptr<int8_t>(), out);
-#else
-      widened_gemm<float>(x, w.data_ptr<int8_t>(), out);
-#endif
+      widened_gemm<quantized_widened_t>(x, w.data_ptr<int8_t>(), out);
     } else {
       widened_gemm<float>(x, w.data_ptr<c10::Half>(), out);
     }
