@@ -85,6 +85,17 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool int8_dot = false;
 #endif
+#if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+  // AVX2: bfloat16 rows read in pair order (bf16_pairs), the query copied into it and the
+  // accumulators put back at the end.
+  constexpr bool kPairOrder = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairOrder = false;
+#endif
+  auto rows = [](const T* p) {
+    if constexpr (kPairOrder) return reinterpret_cast<const bf16_pairs*>(p);
+    else return p;
+  };
   const int64_t chunk_blocks =
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
@@ -93,7 +104,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   // Only the sums start from zero: everything else is written before it is read, and the buffer
   // is the caller's, kept across calls (zeroing ~100 KiB per work item showed in profiles).
   const auto scratch_size =
-      static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
+      static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) + (kPairOrder ? num_heads * D : 0) +
                           (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
   if (scratch.size() < scratch_size) scratch.resize(scratch_size);
   float* scores = scratch.data();  // [num_heads, C]
@@ -104,6 +115,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #if defined(__AVX512VNNI__)
   if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
 #endif
+  const float* q_tile = q;  // the query as the float tiles read it
+  if constexpr (kPairOrder) {
+    float* q_pairs_order = scores + num_heads * C + num_heads * kW;
+    for (int64_t h = 0; h < num_heads; ++h) to_pair_order(q + h * D, D, q_pairs_order + h * D);
+    q_tile = q_pairs_order;
+  }
   // amx: a tile holds every query head of a kv head (the group), the query as its pairs.
   const int64_t tile_heads = amx ? group : kMaxTile;
 #if defined(__AMX_BF16__)
@@ -205,7 +222,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
               return tile.scores_int8(q16 + g0 * D, q_scale + g0, k, k_scales + kv_head * B, n, D, scores + g0 * C + t0,
                                       C, pf);
 #endif
-          tile.scores(q + g0 * D, k, n, D, scores + g0 * C + t0, C, pf);
+          tile.scores(q_tile + g0 * D, rows(k), n, D, scores + g0 * C + t0, C, pf);
           if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, k_scales + kv_head * B, n);
         });
       });
@@ -244,7 +261,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
           if constexpr (std::is_same_v<T, c10::BFloat16> || kFp8<T>)
             if (bf16_dot) return tile.accumulate_bf16(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
 #endif
-          tile.accumulate(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
+          tile.accumulate(scores + g0 * C + t0, C, rows(v), n, D, out.acc + g0 * D, pf);
         });
       });
     });
@@ -253,6 +270,8 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   if constexpr (kQuantized<T>)
     if (kv_scales.value_layer != 1.f)
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
+  if constexpr (kPairOrder)
+    for (int64_t h = 0; h < num_heads; ++h) from_pair_order(out.acc + h * D, D);
   if (bf16_dot || int8_dot)
     for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
 #if defined(__AMX_BF16__)

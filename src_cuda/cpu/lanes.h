@@ -143,6 +143,11 @@ inline void lanes_half_bits(u16x16 bits, Lanes& lo, Lanes& hi) {
   const __m256i all = reinterpret_cast<const __m256i&>(bits);
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(all)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(all, 1));
 }
+inline void lanes_load16(const bf16_pairs* p, Lanes& even, Lanes& odd) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 #endif

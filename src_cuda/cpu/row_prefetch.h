@@ -49,6 +49,9 @@ struct RowPrefetch {
     left -= bytes;
   }
 
+  // Whether every row has been asked for (upto does nothing more).
+  bool finished() const { return done >= rows; }
+
   // Rows [0, rows) from `base`: one contiguous stream.
   static RowPrefetch rows_at(const char* base, int64_t row_bytes, int64_t rows) {
     return RowPrefetch{base, std::numeric_limits<int64_t>::max(), nullptr, row_bytes, rows};

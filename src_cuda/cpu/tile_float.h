@@ -161,15 +161,21 @@ struct FloatTile {
     Lanes a[GT][P];
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) a[g][c] = lanes_loadu(acc + g * D + d + c * 8);
-    for (int64_t t = 0; t < n; ++t) {
-      pf.upto(t + 1);
-      Lanes vv[P];
-      for (int c = 0; c < P; c += 2) lanes_load16(v + t * D + d + c * 8, vv[c], vv[c + 1]);
-      for (int g = 0; g < GT; ++g) {
-        const Lanes pg = lanes_set1(p[g * stride + t]);
-        for (int c = 0; c < P; ++c) a[g][c] = lanes_fmadd(pg, vv[c], a[g][c]);
+    // Only the first panel of a block drives the prefetch stream (the rest re-read rows it brought
+    // in): its bookkeeping per token cost as many instructions as the panel's arithmetic.
+    auto tokens = [&](auto prefetching) __attribute__((always_inline)) {
+      for (int64_t t = 0; t < n; ++t) {
+        if constexpr (prefetching) pf.upto(t + 1);
+        Lanes vv[P];
+        for (int c = 0; c < P; c += 2) lanes_load16(v + t * D + d + c * 8, vv[c], vv[c + 1]);
+        for (int g = 0; g < GT; ++g) {
+          const Lanes pg = lanes_set1(p[g * stride + t]);
+          for (int c = 0; c < P; ++c) a[g][c] = lanes_fmadd(pg, vv[c], a[g][c]);
+        }
       }
-    }
+    };
+    if (pf.finished()) tokens(std::false_type{});
+    else tokens(std::true_type{});
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) lanes_storeu(acc + g * D + d + c * 8, a[g][c]);
   }

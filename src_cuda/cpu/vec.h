@@ -236,6 +236,41 @@ inline u16x16 half_bits(const fp8_e5m2* p) { return widen_bytes<false>(p) << 8; 
 inline u16x16 half_bits(const fp8_e4m3* p) { return (widen_bytes<true>(p) << 7) & static_cast<uint16_t>(0xBFFF); }
 inline f32x16 load16(const fp8_e5m2* p) { return half_bits_to_float(half_bits(p)); }
 inline f32x16 load16(const fp8_e4m3* p) { return half_bits_to_float(half_bits(p)); }
+// A bfloat16 cache element that AVX2's decode reads in "pair order": a 32-bit lane holds two
+// bfloat16s, the lower one becomes a float by a shift and the upper one by a mask, so 16 elements
+// arrive as their 8 even ones, then their 8 odd ones: two instructions for 16 where widening them
+// in order takes four, two of them shuffles on the port the shifts leave free. The query and the
+// accumulators of such a work item are kept in the same order (to_pair_order, from_pair_order);
+// a row's last D % 16 elements stay in order (the tiles read them one at a time).
+struct bf16_pairs {
+  uint16_t bits;
+};
+inline float element_value(bf16_pairs x) { return static_cast<float>(c10::BFloat16(x.bits, c10::BFloat16::from_bits())); }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline f32x16 load16(const bf16_pairs* p) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i even = _mm256_slli_epi32(pairs, 16), odd = _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  f32x16 out;
+  std::memcpy(&out, &even, sizeof(even));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(even), &odd, sizeof(odd));
+  return out;
+}
+#endif
+// A row of D floats into pair order and back.
+inline void to_pair_order(const float* row, int64_t D, float* out) {
+  const int64_t whole = D / 16 * 16;
+  for (int64_t c = 0; c < whole; c += 16)
+    for (int i = 0; i < 8; ++i) out[c + i] = row[c + 2 * i], out[c + 8 + i] = row[c + 2 * i + 1];
+  std::copy(row + whole, row + D, out + whole);
+}
+inline void from_pair_order(float* row, int64_t D) {
+  for (int64_t c = 0; c + 16 <= D; c += 16) {
+    float chunk[16];
+    std::copy(row + c, row + c + 16, chunk);
+    for (int i = 0; i < 8; ++i) row[c + 2 * i] = chunk[i], row[c + 2 * i + 1] = chunk[8 + i];
+  }
+}
+
 // 32 cache elements as two f32x16 (lo: the first 16). Two load16 calls, except for fp8 on AVX-512,
 // where the byte widening and the bit shuffling run once on all 32 (one 512-bit instruction each
 // instead of two 256-bit ones): 8 instructions for 32 e4m3 elements instead of 10, 7 for e5m2
@@ -347,15 +382,15 @@ __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, f
   using V = SoftmaxVector;
   constexpr int64_t w = sizeof(V) / sizeof(float);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // Whole vectors are loaded and stored as vectors: through memcpy GCC moved them via the stack in
+  // 16-byte halves, and each 32-byte reload then stalled on store forwarding (a third of an AVX2
+  // decode step, in perf). Only the tail goes through a buffer.
   auto chunk = [&](int64_t t) {
-    V v;
-    if (t + w <= n) {
-      std::memcpy(&v, s + t, sizeof(v));
-    } else {
-      v = V{} + kNegInf;
-      std::memcpy(&v, s + t, (n - t) * sizeof(float));
-    }
-    return v;
+    if (t + w <= n) return *reinterpret_cast<const V*>(s + t);
+    float tail[w];
+    std::fill(tail, tail + w, kNegInf);
+    std::copy(s + t, s + n, tail);
+    return *reinterpret_cast<const V*>(tail);
   };
   V vmax = chunk(0);
   for (int64_t t = w; t < n; t += w) {
@@ -375,8 +410,13 @@ __attribute__((always_inline)) inline void softmax_update(float* s, int64_t n, f
   for (int64_t t = 0; t < n; t += w) {
     const V e = exp_vector(chunk(t) - new_max);
     sum += e;
-    if (t + w <= n) std::memcpy(s + t, &e, sizeof(e));
-    else std::memcpy(s + t, &e, (n - t) * sizeof(float));
+    if (t + w <= n) {
+      *reinterpret_cast<V*>(s + t) = e;
+    } else {
+      float tail[w];
+      *reinterpret_cast<V*>(tail) = e;
+      std::copy(tail, tail + (n - t), s + t);
+    }
   }
   f32x16 lanes{};  // an 8-float sum fills the first 8 lanes
   std::memcpy(&lanes, &sum, sizeof(sum));
