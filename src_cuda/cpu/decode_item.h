@@ -78,10 +78,11 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #else
   const bool bf16_dot = false;
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(MINIPAGED_INT16_PAIRS)
   // Only for a 16-bit query: its int16 rounding (quantize_query) then loses less than the query's
   // own float16 / bfloat16 rounding did; a float32 query keeps float32 multiply-adds.
-  const bool int8_dot = std::is_same_v<T, int8_t> && query_16bit && D % 32 == 0 && D <= 512 && B <= 256;
+  const bool int8_dot = std::is_same_v<T, int8_t> && query_16bit && D % 32 == 0 && D <= 512 && B <= 256 &&
+                        group <= kInt8MaxGroup;
 #else
   const bool int8_dot = false;
 #endif
@@ -112,7 +113,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   std::fill(exp_sums, exp_sums + num_heads, f32x16{});
   float* q_scale = int8_dot ? scores + num_heads * C + num_heads * kW : nullptr;  // [num_heads]
   auto* q16 = int8_dot ? reinterpret_cast<int16_t*>(q_scale + num_heads) : nullptr;  // [num_heads, head_dim]
-#if defined(__AVX512VNNI__)
+#if defined(MINIPAGED_INT16_PAIRS)
   if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
 #endif
   const float* q_tile = q;  // the query as the float tiles read it
@@ -216,7 +217,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
               return tile.scores_bf16(q_bf16 + g0 * D, scale * kv_scales.key_layer, k, n, D, scores + g0 * C + t0, C,
                                       pf);
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(MINIPAGED_INT16_PAIRS)
           if constexpr (std::is_same_v<T, int8_t>)
             if (int8_dot)
               return tile.scores_int8(q16 + g0 * D, q_scale + g0, k, k_scales + kv_head * B, n, D, scores + g0 * C + t0,
@@ -251,7 +252,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
           if (amx) return tiles->accumulate(pair_tiles(g0) + t0 * 2 * gt, v, n, D, out.acc + g0 * D, pf);
 #endif
         with_tile(gt, [&](auto tile) {
-#if defined(__AVX512VNNI__)
+#if defined(MINIPAGED_INT16_PAIRS)
           if constexpr (std::is_same_v<T, int8_t>)
             if (int8_dot)
               return tile.accumulate_int8(scores + g0 * C + t0, C, v, v_scales + kv_head * B, n, D, out.acc + g0 * D, pf);
@@ -272,8 +273,13 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
   if constexpr (kPairOrder)
     for (int64_t h = 0; h < num_heads; ++h) from_pair_order(out.acc + h * D, D);
+#if defined(MINIPAGED_LANES)
+  constexpr int kUnpackLanes = kLanes;  // the int32 lanes of the pair paths' sums
+#else
+  constexpr int kUnpackLanes = 16;  // (no pair path here)
+#endif
   if (bf16_dot || int8_dot)
-    for (int64_t h = 0; h < num_heads; ++h) from_unpack_order(out.acc + h * D, D);
+    for (int64_t h = 0; h < num_heads; ++h) from_unpack_order<kUnpackLanes>(out.acc + h * D, D);
 #if defined(__AMX_BF16__)
   if (amx)
     for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order(out.acc + h * D, D);

@@ -2,7 +2,7 @@
 // while a block's K and V rows stream by, each row loaded once for all GT heads. Its paths live
 // apart, one per arithmetic: float32 multiply-adds for every cache dtype and instruction set
 // (tile_float.h), bfloat16 pair dot products (tile_bf16.h, AVX512-BF16) and 16-bit integer pair
-// dot products for int8 caches (tile_int8.h, AVX512-VNNI). The kernels pick one per call.
+// dot products for int8 caches (tile_int8.h, AVX512-VNNI and AVX2). The kernels pick one per call.
 #pragma once
 
 #include "cpu/tile_bf16.h"
@@ -17,7 +17,7 @@ struct HeadTile : FloatTile<GT>
 #if defined(__AVX512BF16__)
     , Bf16Tile<GT>
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(MINIPAGED_INT16_PAIRS)
     , Int8Tile<GT>
 #endif
 {

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -56,6 +57,36 @@ inline Lanes lanes_int4_lookup(const uint8_t* p, int v, const Int4Table& table) 
   return _mm512_permutexvar_ps(v == 0 ? bytes : _mm512_srli_epi32(bytes, 4), table.values);
 }
 inline float lanes_hsum(Lanes v) { return _mm512_reduce_add_ps(v); }
+inline float lanes_hmax(Lanes v) { return _mm512_reduce_max_ps(v); }
+inline Lanes lanes_abs(Lanes v) { return _mm512_abs_ps(v); }
+// The first min(count, kLanes) floats at p, zeros after them (nothing past them is read).
+inline Lanes lanes_load_first(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
+// v rounded to the nearest int16s (saturated), kLanes of them at p.
+inline void lanes_store_int16(int16_t* p, Lanes v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
+}
+#if defined(__AVX512VNNI__)
+// 16-bit integer pairs (tile_int8.h): 2 * kLanes int16s, kLanes int32 sums; pairs_dot adds each
+// lane's two products to its sum exactly, in one instruction (vpdpwssd).
+#define MINIPAGED_INT16_PAIRS 1
+using PairInts = __m512i;
+inline PairInts pairs_zero() { return _mm512_setzero_si512(); }
+inline PairInts pairs_load(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline PairInts pairs_widen_int8(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline PairInts pairs_set1(uint32_t pair) { return _mm512_set1_epi32(static_cast<int>(pair)); }
+inline PairInts pairs_unpacklo(PairInts a, PairInts b) { return _mm512_unpacklo_epi16(a, b); }
+inline PairInts pairs_unpackhi(PairInts a, PairInts b) { return _mm512_unpackhi_epi16(a, b); }
+inline PairInts pairs_dot(PairInts sums, PairInts a, PairInts b) { return _mm512_dpwssd_epi32(sums, a, b); }
+inline Lanes pairs_to_float(PairInts sums) { return _mm512_cvtepi32_ps(sums); }
+// The four vectors' sums, exact.
+inline i32x4 pairs_hsum4(PairInts a, PairInts b, PairInts c, PairInts d) {
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  auto as_i32 = [](PairInts v) { return reinterpret_cast<const i32x16&>(v); };
+  return hsum4(as_i32(a), as_i32(b), as_i32(c), as_i32(d));
+}
+#endif
 inline void lanes_store(float* p, Lanes v) { _mm512_store_ps(p, v); }
 inline void lanes_storeu(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
 inline LaneInts lanes_load_ints(const void* p) { return _mm512_load_si512(p); }
@@ -109,6 +140,41 @@ inline float lanes_hsum(Lanes v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline float lanes_hmax(Lanes v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline Lanes lanes_abs(Lanes v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline Lanes lanes_load_first(const float* p, int64_t count) {
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, kLanes))),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, live);
+}
+inline void lanes_store_int16(int16_t* p, Lanes v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+}
+// 16-bit integer pairs: AVX2 has no vpdpwssd, but vpmaddwd (the pairs' products summed into
+// int32, exact) and an add are still fewer instructions than widening int8 to float32 twice.
+#define MINIPAGED_INT16_PAIRS 1
+using PairInts = __m256i;
+inline PairInts pairs_zero() { return _mm256_setzero_si256(); }
+inline PairInts pairs_load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline PairInts pairs_widen_int8(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline PairInts pairs_set1(uint32_t pair) { return _mm256_set1_epi32(static_cast<int>(pair)); }
+inline PairInts pairs_unpacklo(PairInts a, PairInts b) { return _mm256_unpacklo_epi16(a, b); }
+inline PairInts pairs_unpackhi(PairInts a, PairInts b) { return _mm256_unpackhi_epi16(a, b); }
+inline PairInts pairs_dot(PairInts sums, PairInts a, PairInts b) { return _mm256_add_epi32(sums, _mm256_madd_epi16(a, b)); }
+inline Lanes pairs_to_float(PairInts sums) { return _mm256_cvtepi32_ps(sums); }
+inline i32x4 pairs_hsum4(PairInts a, PairInts b, PairInts c, PairInts d) {
+  // Per 128-bit lane [a, b, c, d] partial sums after two pairwise adds, then the halves added.
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+  return reinterpret_cast<const i32x4&>(s);
 }
 inline void lanes_store(float* p, Lanes v) { _mm256_store_ps(p, v); }
 inline void lanes_storeu(float* p, Lanes v) { _mm256_storeu_ps(p, v); }

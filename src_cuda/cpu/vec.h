@@ -38,6 +38,7 @@ constexpr int64_t kW = 16;
 using f32x16 = float __attribute__((vector_size(64), aligned(4)));
 using f32x8 = float __attribute__((vector_size(32), aligned(4)));
 using f32x4 = float __attribute__((vector_size(16), aligned(4)));
+using i32x4 = int32_t __attribute__((vector_size(16)));
 using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using f16x16 = _Float16 __attribute__((vector_size(32), aligned(2)));
@@ -306,14 +307,16 @@ inline float element_value(T x) { return static_cast<float>(x); }
 inline float element_value(fp8_e5m2 x) { return static_cast<float>(c10::Half(e5m2_half_bits(x.bits), c10::Half::from_bits())); }
 inline float element_value(fp8_e4m3 x) { return static_cast<float>(c10::Half(e4m3_half_bits(x.bits), c10::Half::from_bits())); }
 
-// A 32-float chunk accumulated by HeadTile::accumulate_bf16 holds, in its first 16 floats,
-// elements 8L + j and in its last 16, elements 8L + 4 + j (at 4L + j, for L, j < 4): the
-// 128-bit-lane interleave of unpacklo/hi. This puts a row of n such chunks back in order.
+// A chunk of 2K floats accumulated by HeadTile::accumulate_bf16 or accumulate_int8 from vectors of
+// K int32 lanes (16 on AVX-512, 8 on AVX2) holds, in its first K floats, elements 8L + j and in its
+// last K, elements 8L + 4 + j (at 4L + j, for L < K / 4, j < 4): the 128-bit-lane interleave of
+// unpacklo/hi. This puts a row of n such chunks back in order.
+template <int K = 16>
 inline void from_unpack_order(float* row, int64_t n) {
-  float tmp[32];
-  for (int64_t b = 0; b < n; b += 32) {
-    for (int L = 0; L < 4; ++L)
-      for (int j = 0; j < 4; ++j) tmp[8 * L + j] = row[b + 4 * L + j], tmp[8 * L + 4 + j] = row[b + 16 + 4 * L + j];
+  float tmp[2 * K];
+  for (int64_t b = 0; b < n; b += 2 * K) {
+    for (int L = 0; L < K / 4; ++L)
+      for (int j = 0; j < 4; ++j) tmp[8 * L + j] = row[b + 4 * L + j], tmp[8 * L + 4 + j] = row[b + K + 4 * L + j];
     std::memcpy(row + b, tmp, sizeof(tmp));
   }
 }
