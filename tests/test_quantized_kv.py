@@ -245,6 +245,23 @@ def test_decode_grid(fmt, query_dtype, heads, head_dim, block_size, device):
     assert (out[0] == 0).all(), "seq_len == 0 must give a zero row"
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [36, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_cpu_tile_grid(group, head_dim, block_size):
+    # The CPU decode's 8-bit paths under whichever variant runs (make test-cpu-isas reruns it under
+    # each): int8 under a 16-bit query takes the 16-bit integer pair tiles (AVX512-VNNI and AVX2: Q.K
+    # four tokens at a time and the one-token tail, P.V two tokens per pair with an odd one left)
+    # where the head dim is a multiple of 32 and, on AVX2, the group at most 4, and the float tiles
+    # elsewhere; fp8 the bfloat16-pair or float tiles. GQA groups 1-8, head dims that are and are
+    # not multiples of 16 and 32, blocks of 1, 16 and 64, odd lengths, poisoned unused memory.
+    for fmt in FORMATS:
+        for query_dtype in (torch.bfloat16, torch.float32):
+            seed = seed_of("tiles", fmt, query_dtype, group, head_dim, block_size)
+            case = make_case(fmt, [1, 7, 64, 131], 2 * group, 2, head_dim, block_size, query_dtype, "cpu", seed=seed)
+            check_decode(case, head_dim**-0.5, query_dtype)
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_decode_long_sequences(fmt, device):
