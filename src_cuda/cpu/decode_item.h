@@ -101,12 +101,12 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
   // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales,
-  // or (amx) the query as pairs and the chunk's P tiles.
+  // or (kPairOrder) the query in pair order, or (amx) the query as pairs and the chunk's P tiles.
   // Only the sums start from zero: everything else is written before it is read, and the buffer
   // is the caller's, kept across calls (zeroing ~100 KiB per work item showed in profiles).
   const auto scratch_size =
-      static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) + (kPairOrder ? num_heads * D : 0) +
-                          (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
+      static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
+                          (kPairOrder ? num_heads * D : 0) + (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
   if (scratch.size() < scratch_size) scratch.resize(scratch_size);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
