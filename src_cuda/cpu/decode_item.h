@@ -119,7 +119,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const float* q_tile = q;  // the query as the float tiles read it
   if constexpr (kPairOrder) {
     float* q_pairs_order = scores + num_heads * C + num_heads * kW;
-    for (int64_t h = 0; h < num_heads; ++h) to_pair_order(q + h * D, D, q_pairs_order + h * D);
+    for (int64_t h = 0; h < num_heads; ++h) to_even_odd_order<8>(q + h * D, D, q_pairs_order + h * D);
     q_tile = q_pairs_order;
   }
   // amx: a tile holds every query head of a kv head (the group), the query as its pairs.
@@ -272,17 +272,14 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
     if (kv_scales.value_layer != 1.f)
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
   if constexpr (kPairOrder)
-    for (int64_t h = 0; h < num_heads; ++h) from_pair_order(out.acc + h * D, D);
-#if defined(MINIPAGED_LANES)
-  constexpr int kUnpackLanes = kLanes;  // the int32 lanes of the pair paths' sums
-#else
-  constexpr int kUnpackLanes = 16;  // (no pair path here)
-#endif
+    for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order<8>(out.acc + h * D, D);
+#if defined(MINIPAGED_LANES)  // the pair paths' sums, in vectors of kLanes int32 lanes
   if (bf16_dot || int8_dot)
-    for (int64_t h = 0; h < num_heads; ++h) from_unpack_order<kUnpackLanes>(out.acc + h * D, D);
+    for (int64_t h = 0; h < num_heads; ++h) from_unpack_order<kLanes>(out.acc + h * D, D);
+#endif
 #if defined(__AMX_BF16__)
   if (amx)
-    for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order(out.acc + h * D, D);
+    for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order<16>(out.acc + h * D, D);
 #endif
 }
 

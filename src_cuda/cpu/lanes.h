@@ -214,6 +214,14 @@ inline void lanes_load16(const bf16_pairs* p, Lanes& even, Lanes& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+// The same as one f32x16, for the Q.K tiles (vec.h's load16 overloads).
+inline f32x16 load16(const bf16_pairs* p) {
+  Lanes halves[2];
+  lanes_load16(p, halves[0], halves[1]);
+  f32x16 out;
+  std::memcpy(&out, halves, sizeof(out));
+  return out;
+}
 inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 #endif

@@ -11,9 +11,9 @@
 // hold each probability in the pair's first place (a zero in the second), rows [gt, 2 gt) in its
 // second. The product's first rows sum p[t] v[t][2d], its last rows p[t] v[t][2d + 1]: the
 // accumulators hold each 32-element chunk as its 16 even elements, then its 16 odd ones
-// (from_even_odd_order puts them back). The P tiles of a chunk are written once, after its softmax
-// (probability_pairs), so that no tile is loaded right after vector stores wrote it (that load
-// waits ~80-100 cycles for the stores).
+// (vec.h's from_even_odd_order<16> puts them back). The P tiles of a chunk are written once, after
+// its softmax (probability_pairs), so that no tile is loaded right after vector stores wrote it
+// (that load waits ~80-100 cycles for the stores).
 #pragma once
 
 #if defined(__AMX_BF16__)
@@ -192,18 +192,6 @@ class AmxTiles {
   Config scores_config_, accumulate_config_;
   const Config* current_ = nullptr;
 };
-
-// A row of n accumulated by AmxTiles::accumulate (32-element chunks as 16 even elements, then 16
-// odd ones) put back in order.
-inline void from_even_odd_order(float* row, int64_t n) {
-  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-  for (int64_t b = 0; b < n; b += 32) {
-    const __m512 even = _mm512_loadu_ps(row + b), odd = _mm512_loadu_ps(row + b + 16);
-    _mm512_storeu_ps(row + b, _mm512_permutex2var_ps(even, low, odd));
-    _mm512_storeu_ps(row + b + 16, _mm512_permutex2var_ps(even, high, odd));
-  }
-}
 
 }  // namespace
 }  // namespace minipaged

@@ -239,36 +239,31 @@ inline f32x16 load16(const fp8_e5m2* p) { return half_bits_to_float(half_bits(p)
 inline f32x16 load16(const fp8_e4m3* p) { return half_bits_to_float(half_bits(p)); }
 // A bfloat16 cache element that AVX2's decode reads in "pair order": a 32-bit lane holds two
 // bfloat16s, the lower one becomes a float by a shift and the upper one by a mask, so 16 elements
-// arrive as their 8 even ones, then their 8 odd ones: two instructions for 16 where widening them
-// in order takes four, two of them shuffles on the port the shifts leave free. The query and the
-// accumulators of such a work item are kept in the same order (to_pair_order, from_pair_order);
-// a row's last D % 16 elements stay in order (the tiles read them one at a time).
+// arrive as their 8 even ones, then their 8 odd ones (lanes.h's load16 / lanes_load16 for it): two
+// instructions for 16 where widening them in order takes four, two of them shuffles on the port the
+// shifts leave free. The query and the accumulators of such a work item are kept in the same order
+// (to_even_odd_order<8>, from_even_odd_order<8>); a row's last D % 16 elements stay in order (the
+// tiles read them one at a time).
 struct bf16_pairs {
   uint16_t bits;
 };
 inline float element_value(bf16_pairs x) { return static_cast<float>(c10::BFloat16(x.bits, c10::BFloat16::from_bits())); }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline f32x16 load16(const bf16_pairs* p) {
-  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i even = _mm256_slli_epi32(pairs, 16), odd = _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  f32x16 out;
-  std::memcpy(&out, &even, sizeof(even));
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(even), &odd, sizeof(odd));
-  return out;
-}
-#endif
-// A row of D floats into pair order and back.
-inline void to_pair_order(const float* row, int64_t D, float* out) {
-  const int64_t whole = D / 16 * 16;
-  for (int64_t c = 0; c < whole; c += 16)
-    for (int i = 0; i < 8; ++i) out[c + i] = row[c + 2 * i], out[c + 8 + i] = row[c + 2 * i + 1];
+// Rows whose chunks of 2K floats hold the chunk's K even elements, then its K odd ones (AVX2's pair
+// order, K = 8; the AMX P.V sums, K = 16, tile_amx.h), from and to plain order; a last part shorter
+// than a chunk stays as it is.
+template <int K>
+inline void to_even_odd_order(const float* row, int64_t D, float* out) {
+  const int64_t whole = D / (2 * K) * (2 * K);
+  for (int64_t c = 0; c < whole; c += 2 * K)
+    for (int i = 0; i < K; ++i) out[c + i] = row[c + 2 * i], out[c + K + i] = row[c + 2 * i + 1];
   std::copy(row + whole, row + D, out + whole);
 }
-inline void from_pair_order(float* row, int64_t D) {
-  for (int64_t c = 0; c + 16 <= D; c += 16) {
-    float chunk[16];
-    std::copy(row + c, row + c + 16, chunk);
-    for (int i = 0; i < 8; ++i) row[c + 2 * i] = chunk[i], row[c + 2 * i + 1] = chunk[8 + i];
+template <int K>
+inline void from_even_odd_order(float* row, int64_t D) {
+  for (int64_t c = 0; c + 2 * K <= D; c += 2 * K) {
+    float chunk[2 * K];
+    std::copy(row + c, row + c + 2 * K, chunk);
+    for (int i = 0; i < K; ++i) row[c + 2 * i] = chunk[i], row[c + 2 * i + 1] = chunk[K + i];
   }
 }
 
