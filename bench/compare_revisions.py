@@ -93,20 +93,27 @@ def run_once(site: Path, script: str, args: list[str], isa: str | None = None) -
 
 
 NUMBER = re.compile(r"^(-?\d+(?:\.\d+)?)(x|%)?$")
+MEASURED = re.compile(r"^-?\d+\.\d+(x|%)?$|^-?\d+%$")  # a figure, not a shape (2048) or a label
 
 
 def parse_table(text: str) -> dict[tuple, float]:
-    """Numeric cells of the benchmark's table, keyed by (row label, column)."""
+    """Numeric cells of the benchmark's tables, keyed by (row label, column). A table starts at a
+    header line (its first word `dtype`, or a `kernel` column); a row's label is its cells before
+    the first measured figure (decode_cpu.py: dtype and kernel; prefill.py: dtype, history, new
+    tokens and baseline)."""
     lines = [l for l in text.splitlines() if l.strip()]
-    header_at = max(i for i, l in enumerate(lines) if "kernel" in l.split())
-    header = lines[header_at].split()
-    cells = {}
-    for line in lines[header_at + 1:]:
-        parts = re.split(r"\s{2,}", line.strip())
-        if len(parts) != len(header):
+    cells, header = {}, None
+    for line in lines:
+        words = line.split()
+        if words[0] == "dtype" or "kernel" in words:
+            header = words
             continue
-        label = tuple(p for p, h in zip(parts, header) if not NUMBER.match(p))
-        for p, h in zip(parts, header):
+        parts = re.split(r"\s{2,}", line.strip())
+        if header is None or len(parts) != len(header):
+            continue
+        first = next((i for i, p in enumerate(parts) if MEASURED.match(p)), len(parts))
+        label = tuple(parts[:first])
+        for p, h in zip(parts[first:], header[first:]):
             if m := NUMBER.match(p):
                 cells[label, h] = float(m.group(1))
     return cells

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import getpass
+import os
+import tempfile
+
+# TorchInductor's on-disk cache does not key its compiled C++ on ATEN_CPU_CAPABILITY: a kernel
+# generated for one vector width and loaded under another stores past its buffer or computes the
+# wrong thing (torch 2.14.1: heap corruption in test_compile_write_then_prefill_matches_eager after
+# a run under ATEN_CPU_CAPABILITY=avx2, as bench/common.py's --isa sets). One cache per capability.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import minipaged_ops  # noqa: F401  (loads the ops)
 from minipaged_ops import emulation

@@ -176,6 +176,26 @@ bfloat16 / float32, paged bytes per second: 0.91
     assert len(cells) == 8
 
 
+def test_compare_revisions_reads_both_prefill_tables():
+    # Shapes (history 2048) stay in the label; the error and target cells, which differ between
+    # revisions, do not split a row in two.
+    from compare_revisions import parse_table
+
+    out = """prefill, heads 16/8/128, block 64
+dtype     history  new   baseline     paged_ms  baseline_ms  speedup  gather_share  max_err  baseline_err  target
+float32   0        2048  sdpa causal  151.864   169.404      1.12     -             1.2e-06  1.6e-06       >= 1.0x: met
+float32   2048     256   gather+sdpa  42.476    50.172       1.18     9%            3.5e-07  2.0e-07       >= 1.5x: NOT met
+compute roof (dense torch.bmm):
+dtype     history  new  roof_dtype  roof_ms  roof_gflops  paged_ms  paged_of_roof  baseline_ms  baseline_of_roof
+float32   2048     256  float32     35.455   128.7        42.476    83%            50.172       71%
+"""
+    cells = parse_table(out)
+    assert cells[("float32", "0", "2048", "sdpa causal"), "speedup"] == pytest.approx(1.12)
+    assert cells[("float32", "2048", "256", "gather+sdpa"), "gather_share"] == pytest.approx(9)
+    assert cells[("float32", "2048", "256", "float32"), "paged_of_roof"] == pytest.approx(83)
+    assert len(cells) == 3 + 4 + 6  # gather_share "-" on the fresh row
+
+
 def test_compare_revisions_runs_each_side_with_its_cpu_variant(tmp_path, capsys, monkeypatch):
     from compare_revisions import main, parse_table, run_once
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu/isa.h"
 #include "cpu/lanes.h"
@@ -20,7 +21,7 @@ namespace {
 // into qt ([head_dim][kLanes] per row group), so S^T for a chunk of kLanes keys is kLanes accumulators, one
 // per key: for each head-dim element, one qt vector times that key's element broadcast straight
 // from its cache row (an FMA with a memory broadcast operand). No per-block transposition and no
-// horizontal sums; the FLOPs run as a kLanes x kLanes outer-product GEMM microkernel. The scores come out
+// horizontal sums; the FLOPs run as an outer-product GEMM microkernel (kStepGroups below). The scores come out
 // as one vector per key with the rows in the lanes, so the online softmax (max, rescale, exp,
 // sum) is lane-wise too, and P.V is rank-1 updates of O^T ([head_dim][16] per row group): a value
 // element broadcast times a vector of 16 rows' probabilities. The running-max rescale of O^T is a
@@ -33,42 +34,93 @@ namespace {
 // and both products' sums stay float32). float16, 8-bit caches, and bfloat16 without AVX512-BF16
 // (AVX2 among them) convert each chunk's K/V rows to float once per work item and take the float32 path.
 
-// s[t] (lane r) = q_r . k_t over the kLanes key rows of k (row stride D).
-template <int D>
-inline void lane_scores(const float* qt, const float* k, Lanes (&s)[kLanes]) {
-  for (int t = 0; t < kLanes; ++t) s[t] = lanes_zero();
-  for (int d = 0; d < D; ++d) {
-    const Lanes q = lanes_load(qt + d * kLanes);
+// Row groups the float32 microkernels take at once, and keys (Q.K) or head-dim elements (P.V) per
+// pass over them. One row group against all kLanes keys costs a load per FMA: the query vector plus
+// a broadcast per key (AVX-512 folds it into the FMA as a memory operand, still a load), so both
+// ISAs' loops were bound by their two loads a cycle, not their two FMAs (AVX2's 8 chains at 4-cycle
+// latency besides; ~72% of the FMA peak on an Ice Lake Xeon, in perf). Three row groups share each
+// broadcast: AVX2 three against 4 keys, 7 loads per 12 FMAs in 12 chains, in all 16 ymm registers
+// (12 sums, 3 query vectors, a broadcast); AVX-512 three against 8 keys, 11 loads per 24 FMAs in 28
+// of its 32. Prefill from 2,048 cached tokens got 1.2-1.4x faster on either (bench/RESULTS.md).
+constexpr int kStepGroups = 3;
+constexpr int kStepKeys = kLanes == 8 ? 4 : 8;
+
+// f(std::integral_constant<int, n>{}) for a run-time n in [1, N]: how many row groups a step has.
+template <int N, typename F>
+__attribute__((always_inline)) inline void with_count(int64_t n, F&& f) {
+  if constexpr (N > 1)
+    if (n < N) return with_count<N - 1>(n, f);
+  f(std::integral_constant<int, N>{});
+}
+
+// s[g][t] (lane r) = q_r . k_t for the G row groups of qt (group g at qt + g * group_stride) over
+// the kLanes key rows of k (row stride D).
+template <int D, int G>
+inline void lane_scores(const float* qt, int64_t group_stride, const float* k, Lanes (&s)[G][kLanes]) {
+  for (int t0 = 0; t0 < kLanes; t0 += kStepKeys) {
+    Lanes a[G][kStepKeys];
 #pragma GCC unroll 16
-    for (int t = 0; t < kLanes; ++t) s[t] = lanes_fmadd(q, lanes_set1(k[t * D + d]), s[t]);
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int t = 0; t < kStepKeys; ++t) a[g][t] = lanes_zero();
+    for (int d = 0; d < D; ++d) {
+      Lanes q[G];
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) q[g] = lanes_load(qt + g * group_stride + d * kLanes);
+#pragma GCC unroll 16
+      for (int t = 0; t < kStepKeys; ++t) {
+        const Lanes key = lanes_set1(k[(t0 + t) * D + d]);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) a[g][t] = lanes_fmadd(q[g], key, a[g][t]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int t = 0; t < kStepKeys; ++t) s[g][t0 + t] = a[g][t];
   }
 }
 
-// The frame of both P.V updates: per kLanes-element head-dim panel, the accumulator tile (kLanes
-// x kLanes rows) is loaded, rescaled, handed to `add` (the keys' contributions, in registers), stored.
-template <int D, typename Add>
-__attribute__((always_inline)) inline void update_output_tiles(float* ot, Lanes rescale, bool rescaled, Add add) {
-  for (int d0 = 0; d0 < D; d0 += kLanes) {
-    Lanes a[kLanes];
+// The frame of both P.V updates: per J-element head-dim panel, the G row groups' accumulator tiles
+// (J x kLanes rows each; group g's at ot + g * D * kLanes) are loaded, rescaled, handed to `add`
+// (the keys' contributions, in registers), stored.
+template <int D, int G, int J, typename Add>
+__attribute__((always_inline)) inline void update_output_tiles(float* ot, const Lanes (&rescale)[G],
+                                                               const bool (&rescaled)[G], Add add) {
+  for (int d0 = 0; d0 < D; d0 += J) {
+    Lanes a[G][J];
 #pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) {
-      a[j] = lanes_load(ot + (d0 + j) * kLanes);
-      if (rescaled) a[j] = lanes_mul(a[j], rescale);
-    }
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int j = 0; j < J; ++j) {
+        a[g][j] = lanes_load(ot + g * D * kLanes + (d0 + j) * kLanes);
+        if (rescaled[g]) a[g][j] = lanes_mul(a[g][j], rescale[g]);
+      }
     add(a, d0);
 #pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) lanes_store(ot + (d0 + j) * kLanes, a[j]);
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int j = 0; j < J; ++j) lanes_store(ot + g * D * kLanes + (d0 + j) * kLanes, a[g][j]);
   }
 }
 
-// ot[d] (lane r) = rescale * ot[d] + sum_t p[t] * v[t][d] over the kLanes value rows of v.
-template <int D>
-inline void lane_accumulate(const float* p, const float* v, float* ot, Lanes rescale, bool rescaled) {
-  update_output_tiles<D>(ot, rescale, rescaled, [&](Lanes (&a)[kLanes], int d0) __attribute__((always_inline)) {
+// ot_g[d] (lane r) = rescale[g] * ot_g[d] + sum_t p_g[t] * v[t][d] over the kLanes value rows of v,
+// for the G row groups (p_g: kLanes vectors at p + g * kLanes * kLanes).
+template <int D, int G>
+inline void lane_accumulate(const float* p, const float* v, float* ot, const Lanes (&rescale)[G],
+                            const bool (&rescaled)[G]) {
+  update_output_tiles<D, G, kStepKeys>(ot, rescale, rescaled,
+                                       [&](Lanes (&a)[G][kStepKeys], int d0) __attribute__((always_inline)) {
     for (int t = 0; t < kLanes; ++t) {
-      const Lanes pt = lanes_load(p + t * kLanes);
+      Lanes pt[G];
 #pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) a[j] = lanes_fmadd(pt, lanes_set1(v[t * D + d0 + j]), a[j]);
+      for (int g = 0; g < G; ++g) pt[g] = lanes_load(p + (g * kLanes + t) * kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < kStepKeys; ++j) {
+        const Lanes value = lanes_set1(v[t * D + d0 + j]);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) a[g][j] = lanes_fmadd(pt[g], value, a[g][j]);
+      }
     }
   });
 }
@@ -91,14 +143,14 @@ inline void lane_scores_pairs(const uint32_t* qt, const c10::BFloat16* k, __m512
 // lane_accumulate with the pair dot product over keys (2i, 2i+1): p[i] holds each row's
 // probability pair, v_pairs ([8][D]) the interleaved value rows (pair_rows).
 template <int D>
-inline void lane_accumulate_pairs(const __m512i* p, const uint32_t* v_pairs, float* ot, __m512 rescale,
-                                  bool rescaled) {
-  update_output_tiles<D>(ot, rescale, rescaled, [&](__m512 (&a)[kLanes], int d0) __attribute__((always_inline)) {
+inline void lane_accumulate_pairs(const __m512i* p, const uint32_t* v_pairs, float* ot, const __m512 (&rescale)[1],
+                                  const bool (&rescaled)[1]) {
+  update_output_tiles<D, 1, kLanes>(ot, rescale, rescaled, [&](__m512 (&a)[1][kLanes], int d0) __attribute__((always_inline)) {
     for (int i = 0; i < kLanes / 2; ++i) {
       const __m512bh pi = (__m512bh)p[i];
 #pragma GCC unroll 16
       for (int j = 0; j < kLanes; ++j)
-        a[j] = _mm512_dpbf16_ps(a[j], pi, (__m512bh)_mm512_set1_epi32(static_cast<int>(v_pairs[i * D + d0 + j])));
+        a[0][j] = _mm512_dpbf16_ps(a[0][j], pi, (__m512bh)_mm512_set1_epi32(static_cast<int>(v_pairs[i * D + d0 + j])));
     }
   });
 }

@@ -19,8 +19,14 @@ namespace minipaged::MINIPAGED_CPU_ISA {
 namespace {
 
 // Query rows per work item. 64 rows x 128 floats is 32 KiB of accumulator plus as much query:
-// L1/L2-resident, and each K/V row is reused 64 times per load.
+// L1/L2-resident, and each K/V row is reused 64 times per load. The lane path rounds it up to
+// whole steps of its microkernels (kStepGroups row groups: AVX2 72 rows, AVX-512 96), so that
+// full tiles run no step on fewer groups, at a lower FMA rate.
+#if defined(MINIPAGED_LANES)
+constexpr int64_t kTileRows = (64 + kLanes * kStepGroups - 1) / (kLanes * kStepGroups) * (kLanes * kStepGroups);
+#else
 constexpr int64_t kTileRows = 64;
+#endif
 
 struct PrefillItem {
   int64_t seq, first_token, num_tokens, kv_head;  // tokens are new-token indices of the sequence
@@ -89,6 +95,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   constexpr bool kPairs = false;
 #endif
   using C = std::conditional_t<kPairs, c10::BFloat16, float>;  // what K and V are multiplied as
+  constexpr int kGroups = kPairs ? 1 : kStepGroups;            // row groups per microkernel call
   constexpr int64_t kQtVectors = kPairs ? D / 2 : D;           // qt vectors per row group
   const int64_t rows = item.num_tokens * group, h0 = item.kv_head * group;
   const int64_t row_groups = (rows + kLanes - 1) / kLanes;
@@ -99,7 +106,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   auto row_of = [&](int64_t g, int64_t r) { return std::min(g * kLanes + r, rows - 1); };
   w.qt.resize(row_groups * kQtVectors);
   w.ot.assign(row_groups * D, {});
-  w.p.resize(kLanes);
+  w.p.resize(kGroups * kLanes);
   w.position.resize(row_groups);
   w.max_score_lanes.resize(row_groups);
   w.exp_sum_lanes.assign(row_groups, {});
@@ -126,6 +133,32 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
     lanes_store(vec(w.max_score_lanes, g), lanes_set1(-std::numeric_limits<float>::infinity()));
   }
 
+  // Online softmax of row group g over the chunk of keys [kpos, kpos + n), lane-wise: s (its scores)
+  // becomes exp(s - new max), rescale the factor on its running state; true if any lane's differs from 1.
+  // Every lane sees key 0 in the first chunk, so the running max is finite from then on and a
+  // chunk a lane sees nothing of leaves it as it was.
+  auto softmax_chunk = [&](int64_t g, int64_t kpos, int64_t n, Lanes (&s)[kLanes], Lanes& rescale)
+                           __attribute__((always_inline)) {
+    if (kpos + kLanes - 1 > first_pos + g * kLanes / group || n < kLanes) {  // past the group's lowest position
+      // Key kpos + t is visible to the lanes at or after it, and only if it exists.
+      for (int t = 0; t < kLanes; ++t)
+        s[t] = lanes_visible(s[t], lanes_load_ints(w.position.data() + g), static_cast<int32_t>(kpos + t), t < n);
+    }
+    Lanes chunk_max = s[0];
+    for (int t = 1; t < kLanes; ++t) chunk_max = lanes_max(chunk_max, s[t]);
+    const Lanes old_max = lanes_load(vec(w.max_score_lanes, g));
+    const Lanes new_max = lanes_max(old_max, chunk_max);
+    rescale = lanes_exp(lanes_sub(old_max, new_max));
+    lanes_store(vec(w.max_score_lanes, g), new_max);
+    Lanes sum = lanes_zero();
+    for (int t = 0; t < kLanes; ++t) {
+      s[t] = lanes_exp(lanes_sub(s[t], new_max));
+      sum = lanes_add(sum, s[t]);
+    }
+    lanes_store(vec(w.exp_sum_lanes, g), lanes_fmadd(lanes_load(vec(w.exp_sum_lanes, g)), rescale, sum));
+    return lanes_any_not_one(rescale);
+  };
+
   constexpr int64_t kChunkVectors = kLanes * D * sizeof(C) / sizeof(Lanes);
   w.k.resize(kChunkVectors);
   w.v.resize(kChunkVectors);
@@ -139,63 +172,53 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) pair_rows<D>(v, reinterpret_cast<uint32_t*>(w.v_pairs.data()));
 #endif
-    // The next chunk's K/V rows are asked for a share per row group: the blocks are scattered, so
+    // The next chunk's K/V rows are asked for a share per step of row groups: the blocks are scattered, so
     // no hardware prefetcher sees them coming, and a steady trickle keeps the FMAs fed.
     const int64_t next = kpos + kLanes, next_rows = std::min<int64_t>(kLanes, end - next);
     const int64_t first_live = std::max<int64_t>(0, (kpos - first_pos) * group / kLanes);
     const int64_t live_groups = row_groups - first_live;
     int64_t prefetched = 0;
-    for (int64_t g = 0; g < row_groups; ++g) {
-      // Positions grow with the row: the group's first and last rows bound what it sees.
-      const int64_t lowest = first_pos + g * kLanes / group, highest = first_pos + row_of(g, kLanes - 1) / group;
-      if (kpos > highest) continue;  // the causal mask hides this chunk from every row
-      for (const int64_t upto = next_rows * (g - first_live + 1) / std::max<int64_t>(1, live_groups); prefetched < upto;
+    // Groups' rows only grow in position, so the groups a chunk is hidden from (every row's
+    // position below kpos) are a prefix of a step.
+    auto hidden = [&](int64_t g) { return kpos > first_pos + row_of(g, kLanes - 1) / group; };
+    for (int64_t step = 0; step < row_groups; step += kGroups) {
+      const int64_t last = std::min(step + kGroups, row_groups) - 1;
+      int64_t g0 = step;
+      while (g0 <= last && hidden(g0)) ++g0;
+      if (g0 > last) continue;
+      for (const int64_t upto = next_rows * (last - first_live + 1) / std::max<int64_t>(1, live_groups); prefetched < upto;
            ++prefetched) {
         const int64_t pos = next + prefetched, row = layout.row(block_table[pos / layout.block_size], item.kv_head,
                                                                 pos % layout.block_size);
         prefetch(reinterpret_cast<const char*>(key_cache + row), D * sizeof(T));
         prefetch(reinterpret_cast<const char*>(value_cache + row), D * sizeof(T));
       }
-      Lanes s[kLanes];
-      if constexpr (kPairs) {
+      with_count<kGroups>(last - g0 + 1, [&](auto groups) __attribute__((always_inline)) {
+        constexpr int G = decltype(groups)::value;
+        Lanes s[G][kLanes], rescale[G];
+        bool rescaled[G];
+        if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        lane_scores_pairs<D>(reinterpret_cast<const uint32_t*>(w.qt.data() + g * kQtVectors), k, s);
-        for (int t = 0; t < kLanes; ++t) s[t] = lanes_mul(s[t], lanes_set1(scale));
+          lane_scores_pairs<D>(reinterpret_cast<const uint32_t*>(w.qt.data() + g0 * kQtVectors), k, s[0]);
+          for (int t = 0; t < kLanes; ++t) s[0][t] = lanes_mul(s[0][t], lanes_set1(scale));
 #endif
-      } else {
-        lane_scores<D>(reinterpret_cast<const float*>(w.qt.data() + g * kQtVectors), k, s);
-      }
-      if (kpos + kLanes - 1 > lowest || n < kLanes) {
-        // Key kpos + t is visible to the lanes at or after it, and only if it exists.
-        for (int t = 0; t < kLanes; ++t)
-          s[t] = lanes_visible(s[t], lanes_load_ints(w.position.data() + g), static_cast<int32_t>(kpos + t), t < n);
-      }
-      // Online softmax, lane-wise. Every lane sees key 0 in the first chunk, so the running max
-      // is finite from then on and a chunk a lane sees nothing of leaves it as it was.
-      Lanes chunk_max = s[0];
-      for (int t = 1; t < kLanes; ++t) chunk_max = lanes_max(chunk_max, s[t]);
-      const Lanes old_max = lanes_load(vec(w.max_score_lanes, g));
-      const Lanes new_max = lanes_max(old_max, chunk_max);
-      const Lanes rescale = lanes_exp(lanes_sub(old_max, new_max));
-      const bool rescaled = lanes_any_not_one(rescale);
-      lanes_store(vec(w.max_score_lanes, g), new_max);
-      Lanes sum = lanes_zero();
-      for (int t = 0; t < kLanes; ++t) {
-        s[t] = lanes_exp(lanes_sub(s[t], new_max));
-        sum = lanes_add(sum, s[t]);
-      }
-      lanes_store(vec(w.exp_sum_lanes, g), lanes_fmadd(lanes_load(vec(w.exp_sum_lanes, g)), rescale, sum));
-      float* ot = reinterpret_cast<float*>(w.ot.data() + g * D);
-      if constexpr (kPairs) {
+        } else {
+          lane_scores<D, G>(reinterpret_cast<const float*>(w.qt.data() + g0 * kQtVectors), D * kLanes, k, s);
+        }
+        for (int i = 0; i < G; ++i) rescaled[i] = softmax_chunk(g0 + i, kpos, n, s[i], rescale[i]);
+        float* ot = reinterpret_cast<float*>(w.ot.data() + g0 * D);
+        if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        __m512i p[kLanes / 2];
-        pair_probabilities(s, p);
-        lane_accumulate_pairs<D>(p, reinterpret_cast<const uint32_t*>(w.v_pairs.data()), ot, rescale, rescaled);
+          __m512i p[kLanes / 2];
+          pair_probabilities(s[0], p);
+          lane_accumulate_pairs<D>(p, reinterpret_cast<const uint32_t*>(w.v_pairs.data()), ot, rescale, rescaled);
 #endif
-      } else {
-        for (int t = 0; t < kLanes; ++t) lanes_store(vec(w.p, t), s[t]);
-        lane_accumulate<D>(vec(w.p, 0), v, ot, rescale, rescaled);
-      }
+        } else {
+          for (int i = 0; i < G; ++i)
+            for (int t = 0; t < kLanes; ++t) lanes_store(vec(w.p, i * kLanes + t), s[i][t]);
+          lane_accumulate<D, G>(vec(w.p, 0), v, ot, rescale, rescaled);
+        }
+      });
     }
   }
   // Every lane saw key 0, so its sum is positive.
