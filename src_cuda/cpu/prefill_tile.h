@@ -23,7 +23,8 @@ namespace {
 // whole steps of its microkernels (kStepGroups row groups: AVX2 72 rows, AVX-512 96), so that
 // full tiles run no step on fewer groups, at a lower FMA rate.
 #if defined(MINIPAGED_LANES)
-constexpr int64_t kTileRows = (64 + kLanes * kStepGroups - 1) / (kLanes * kStepGroups) * (kLanes * kStepGroups);
+constexpr int64_t kStepRows = kLanes * kStepGroups;
+constexpr int64_t kTileRows = (64 + kStepRows - 1) / kStepRows * kStepRows;
 #else
 constexpr int64_t kTileRows = 64;
 #endif
@@ -104,6 +105,9 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   // Lane r of row group g is row g * kLanes + r; the lanes past the last row repeat it (finite data,
   // same position, never written out).
   auto row_of = [&](int64_t g, int64_t r) { return std::min(g * kLanes + r, rows - 1); };
+  // Positions grow with the row: a group's first and last rows bound the keys it sees.
+  auto lowest = [&](int64_t g) { return first_pos + g * kLanes / group; };
+  auto highest = [&](int64_t g) { return first_pos + row_of(g, kLanes - 1) / group; };
   w.qt.resize(row_groups * kQtVectors);
   w.ot.assign(row_groups * D, {});
   w.p.resize(kGroups * kLanes);
@@ -139,7 +143,7 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
   // chunk a lane sees nothing of leaves it as it was.
   auto softmax_chunk = [&](int64_t g, int64_t kpos, int64_t n, Lanes (&s)[kLanes], Lanes& rescale)
                            __attribute__((always_inline)) {
-    if (kpos + kLanes - 1 > first_pos + g * kLanes / group || n < kLanes) {  // past the group's lowest position
+    if (kpos + kLanes - 1 > lowest(g) || n < kLanes) {
       // Key kpos + t is visible to the lanes at or after it, and only if it exists.
       for (int t = 0; t < kLanes; ++t)
         s[t] = lanes_visible(s[t], lanes_load_ints(w.position.data() + g), static_cast<int32_t>(kpos + t), t < n);
@@ -178,9 +182,9 @@ void prefill_item_lanes(const PrefillItem& item, const Q* query, int64_t q_token
     const int64_t first_live = std::max<int64_t>(0, (kpos - first_pos) * group / kLanes);
     const int64_t live_groups = row_groups - first_live;
     int64_t prefetched = 0;
-    // Groups' rows only grow in position, so the groups a chunk is hidden from (every row's
-    // position below kpos) are a prefix of a step.
-    auto hidden = [&](int64_t g) { return kpos > first_pos + row_of(g, kLanes - 1) / group; };
+    // The groups the causal mask hides this chunk from (kpos past their highest position) are a
+    // prefix of a step.
+    auto hidden = [&](int64_t g) { return kpos > highest(g); };
     for (int64_t step = 0; step < row_groups; step += kGroups) {
       const int64_t last = std::min(step + kGroups, row_groups) - 1;
       int64_t g0 = step;
