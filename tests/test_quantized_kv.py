@@ -283,15 +283,10 @@ def fp8_codes(fmt, subnormal_only):
     return codes[exponent == 0] if subnormal_only else codes[finite]
 
 
-@pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("subnormal_only", [True, False], ids=["subnormals", "all-codes"])
-@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
-def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, device):
-    # The kernels' fp8 conversions (the CPU's bfloat16 path rebuilds subnormals from a table, since
-    # the pair dot product reads bfloat16 subnormals as zero) against the reference on bytes written
-    # directly: every finite code, or only subnormals with layer scales that make them O(1).
-    g = torch.Generator().manual_seed(seed_of("codes", fmt, subnormal_only))
+def fp8_code_case(fmt, subnormal_only, query_dtype, device, seed, key_layer=None):
+    """A decode case on fp8 bytes written directly: every finite code, or only subnormals with layer
+    scales that make them O(1) (or the given K layer scale)."""
+    g = torch.Generator().manual_seed(seed)
     num_kv_heads, head_dim, block_size, seq_lens = 2, 128, 16, [200, 37]
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 1  # one spare
@@ -301,17 +296,54 @@ def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, d
                               for _ in range(2))
     largest = 7 * 2.0**-9 if fmt == torch.float8_e4m3fn else 3 * 2.0**-16  # subnormal
     layer = 1.0 / largest if subnormal_only else 1.0 / FORMAT_MAX[fmt]
-    key_scale, value_scale = torch.full((1,), 2 * layer), torch.full((1,), layer)
+    key_scale, value_scale = torch.full((1,), key_layer or 2 * layer), torch.full((1,), layer)
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
     block_tables = torch.full((len(seq_lens), max(blocks)), -7, dtype=torch.int32)
     block_tables[0, :blocks[0]], block_tables[1, :blocks[1]] = perm[:blocks[0]], perm[blocks[0]:sum(blocks)]
     query = torch.randn(len(seq_lens), 8, head_dim, generator=g).to(query_dtype)
     dev = torch_device(device)
-    case = dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
+    return dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
                 block_tables=block_tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
                 key_scale=key_scale.to(dev), value_scale=value_scale.to(dev))
-    out = check_decode(case, head_dim**-0.5, query_dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("subnormal_only", [True, False], ids=["subnormals", "all-codes"])
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
+def test_decode_reads_every_fp8_code_exactly(fmt, subnormal_only, query_dtype, device):
+    # The kernels' fp8 conversions (the CPU's bfloat16 path rebuilds subnormals from a table, since
+    # the pair dot product reads bfloat16 subnormals as zero; AVX2's pair order makes them float32
+    # subnormals) against the reference.
+    case = fp8_code_case(fmt, subnormal_only, query_dtype, device, seed_of("codes", fmt, subnormal_only))
+    out = check_decode(case, 128**-0.5, query_dtype)
     assert out.abs().amax() > 0.05, "outputs too small to tell a lost subnormal"
+
+
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
+def test_cpu_fp8_decode_with_denormals_flushed(fmt):
+    # torch.set_flush_denormal(True) sets MXCSR's DAZ, which reads float32 subnormals as zero: AVX2's
+    # fp8 pair order (whose subnormals are float32 subnormals) must not be taken then.
+    case = fp8_code_case(fmt, True, torch.float32, "cpu", seed_of("daz", fmt))
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals"
+    try:
+        out = check_decode(case, 128**-0.5, torch.float32)
+    finally:
+        torch.set_flush_denormal(False)
+    assert out.abs().amax() > 0.05, "outputs too small to tell a lost subnormal"
+
+
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=FORMAT_IDS[1:])
+def test_cpu_fp8_decode_with_a_query_past_the_pair_order_range(fmt):
+    # A K layer scale so large that the query it is folded into (scale * K layer scale, x256 for
+    # e4m3's raw elements) reaches 2^16-2^18 while the scores stay O(10) on subnormal K bytes: AVX2's
+    # pair order, which multiplies that query by 2^112, would overflow it; the kernel must take the
+    # float16 route there.
+    raw = 256 if fmt == torch.float8_e4m3fn else 1
+    case = fp8_code_case(fmt, True, torch.float32, "cpu", seed_of("huge", fmt),
+                         key_layer=2.0**16 / (128**-0.5 * raw))
+    out = check_decode(case, 128**-0.5, torch.float32)
+    assert out.abs().amax() > 0.05
 
 
 @pytest.mark.parametrize("device", device_params())

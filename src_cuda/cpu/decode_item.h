@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -87,26 +88,40 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   const bool int8_dot = false;
 #endif
 #if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
-  // AVX2: bfloat16 rows read in pair order (bf16_pairs), the query copied into it and the
-  // accumulators put back at the end.
-  constexpr bool kPairOrder = std::is_same_v<T, c10::BFloat16>;
+  // AVX2: bfloat16 and fp8 rows read in pair order (bf16_pairs, fp8_pairs), the query copied into
+  // it and the accumulators put back at the end. fp8's query and probabilities are multiplied by
+  // kFp8PairsScale: not where that could overflow the query (beyond any real one) or denormals
+  // read as zero.
+  constexpr bool kPairsOf = std::is_same_v<T, c10::BFloat16> || kFp8<T>;
+  auto small_query = [&] {  // q * kFp8PairsScale below 2^127; false for NaN too
+    for (int64_t i = 0; i < num_heads * D; ++i)
+      if (!(std::abs(q[i]) < 0x1p15f)) return false;
+    return true;
+  };
+  const bool pair_order = std::is_same_v<T, c10::BFloat16> || (kFp8<T> && fp8_pairs_allowed() && small_query());
 #else
-  constexpr bool kPairOrder = false;
+  constexpr bool kPairsOf = false;
+  const bool pair_order = false;
 #endif
-  auto rows = [](const T* p) {
-    if constexpr (kPairOrder) return reinterpret_cast<const bf16_pairs*>(p);
-    else return p;
+  const bool fp8_pairs_scaled = kFp8<T> && pair_order;
+  // Calls f(rows) with the rows at p as the tiles read them: in pair order or as they are.
+  auto with_rows = [&](const T* p, auto&& f) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kPairsOf) return f(reinterpret_cast<const bf16_pairs*>(p));
+    else if constexpr (kFp8<T> && kPairsOf) {
+      if (pair_order) return f(reinterpret_cast<const fp8_pairs<T>*>(p));
+      return f(p);
+    } else return f(p);
   };
   const int64_t chunk_blocks =
       std::max<int64_t>(1, kChunkScoreBytes / static_cast<int64_t>(num_heads * B * sizeof(float)));
   const int64_t C = chunk_blocks * B;  // scores per head in a chunk
   // Scores, per-lane exponential sums, and (int8_dot) the query as int16 and its per-head scales,
-  // or (kPairOrder) the query in pair order, or (amx) the query as pairs and the chunk's P tiles.
+  // or (pair_order) the query in pair order, or (amx) the query as pairs and the chunk's P tiles.
   // Only the sums start from zero: everything else is written before it is read, and the buffer
   // is the caller's, kept across calls (zeroing ~100 KiB per work item showed in profiles).
   const auto scratch_size =
       static_cast<size_t>(num_heads * C + num_heads * kW + (int8_dot ? num_heads + num_heads * D / 2 : 0) +
-                          (kPairOrder ? num_heads * D : 0) + (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
+                          (pair_order ? num_heads * D : 0) + (amx ? num_heads * D / 2 + 2 * num_heads * C + kW : 0));
   if (scratch.size() < scratch_size) scratch.resize(scratch_size);
   float* scores = scratch.data();  // [num_heads, C]
   auto* exp_sums = reinterpret_cast<f32x16*>(scores + num_heads * C);  // [num_heads], per lane
@@ -117,9 +132,11 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   if (int8_dot) quantize_query(q, num_heads, D, q16, q_scale);
 #endif
   const float* q_tile = q;  // the query as the float tiles read it
-  if constexpr (kPairOrder) {
+  if (pair_order) {
     float* q_pairs_order = scores + num_heads * C + num_heads * kW;
     for (int64_t h = 0; h < num_heads; ++h) to_even_odd_order<8>(q + h * D, D, q_pairs_order + h * D);
+    if (fp8_pairs_scaled)
+      for (int64_t i = 0; i < num_heads * D; ++i) q_pairs_order[i] *= kFp8PairsScale;
     q_tile = q_pairs_order;
   }
   // amx: a tile holds every query head of a kv head (the group), the query as its pairs.
@@ -223,7 +240,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
               return tile.scores_int8(q16 + g0 * D, q_scale + g0, k, k_scales + kv_head * B, n, D, scores + g0 * C + t0,
                                       C, pf);
 #endif
-          tile.scores(q_tile + g0 * D, rows(k), n, D, scores + g0 * C + t0, C, pf);
+          with_rows(k, [&](auto rows) { tile.scores(q_tile + g0 * D, rows, n, D, scores + g0 * C + t0, C, pf); });
           if constexpr (kPerTokenScales) scale_tokens(scores + g0 * C + t0, gt, k_scales + kv_head * B, n);
         });
       });
@@ -236,6 +253,9 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
 #endif
     for (int64_t h = 0; h < num_heads; ++h)
       softmax_update(scores + h * C, n_chunk, out.max_score[h], exp_sums[h], out.acc + h * D, D);
+    if (fp8_pairs_scaled)
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t t = 0; t < n_chunk; ++t) scores[h * C + t] *= kFp8PairsScale;
 #if defined(__AMX_BF16__)
     if (amx)
       for_each_tile([&](int64_t, int64_t g0, int64_t) {
@@ -262,7 +282,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
           if constexpr (std::is_same_v<T, c10::BFloat16> || kFp8<T>)
             if (bf16_dot) return tile.accumulate_bf16(scores + g0 * C + t0, C, v, n, D, out.acc + g0 * D, pf);
 #endif
-          tile.accumulate(scores + g0 * C + t0, C, rows(v), n, D, out.acc + g0 * D, pf);
+          with_rows(v, [&](auto rows) { tile.accumulate(scores + g0 * C + t0, C, rows, n, D, out.acc + g0 * D, pf); });
         });
       });
     });
@@ -271,7 +291,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   if constexpr (kQuantized<T>)
     if (kv_scales.value_layer != 1.f)
       for (int64_t i = 0; i < num_heads * D; ++i) out.acc[i] *= kv_scales.value_layer;
-  if constexpr (kPairOrder)
+  if (pair_order)
     for (int64_t h = 0; h < num_heads; ++h) from_even_odd_order<8>(out.acc + h * D, D);
 #if defined(MINIPAGED_LANES)  // the pair paths' sums, in vectors of kLanes int32 lanes
   if (bf16_dot || int8_dot)

@@ -214,7 +214,27 @@ inline void lanes_load16(const bf16_pairs* p, Lanes& even, Lanes& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+// vec.h's fp8_pairs: the sign-extended byte, shifted, has copies of its sign above it, and the mask
+// keeps the one in bit 31.
+template <typename T>
+inline void lanes_load16(const fp8_pairs<T>* p, Lanes& even, Lanes& odd) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(kFp8PairsMask<T>));
+  even = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(wide, kFp8PairsShift<T>), mask));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(wide, kFp8PairsShift<T> - 16), mask));
+}
+// Whether the fp8 pair order may be used: not where denormals are read as zero (MXCSR's DAZ, as
+// torch.set_flush_denormal sets it), which would zero its subnormals.
+inline bool fp8_pairs_allowed() { return (_mm_getcsr() & (1u << 6)) == 0; }
 // The same as one f32x16, for the Q.K tiles (vec.h's load16 overloads).
+template <typename T>
+inline f32x16 load16(const fp8_pairs<T>* p) {
+  Lanes halves[2];
+  lanes_load16(p, halves[0], halves[1]);
+  f32x16 out;
+  std::memcpy(&out, halves, sizeof(out));
+  return out;
+}
 inline f32x16 load16(const bf16_pairs* p) {
   Lanes halves[2];
   lanes_load16(p, halves[0], halves[1]);

@@ -31,9 +31,13 @@ struct FloatTile {
     if constexpr (kQueryFits<4>) if (D == 64) return scores_fixed<4>(q, k, n, scores, stride, pf);
     if constexpr (kQueryFits<16>) if (D == 256) return scores_fixed<16>(q, k, n, scores, stride, pf);
     int64_t t = 0;
+#if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+    if (D % 16 == 0) t = tokens_by_four8(q, k, n, D, scores, stride, pf);
+#else
     if (D == 128) t = tokens_stepped<8>(q, k, n, scores, stride, pf);
     if (D == 64) t = tokens_stepped<4>(q, k, n, scores, stride, pf);
     if (D == 256) t = tokens_stepped<16>(q, k, n, scores, stride, pf);
+#endif
     const int64_t Dv = D / kW * kW;
     for (; t < n; ++t) {
       pf.upto(t + 1);
@@ -48,6 +52,45 @@ struct FloatTile {
         for (int g = 0; g < GT; ++g) scores[g * stride + t] += q[g * D + d] * element_value(kt[d]);
     }
   }
+#if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+  // AVX2 (D a multiple of 16): four tokens against two query heads at a time, in 8-float vectors
+  // (8 accumulators, 4 query vectors and a K chunk in its 16 registers: 8 FMA chains cover the FMA
+  // latency), each 16-element K chunk widened once for both heads, the eight sums reduced together
+  // by horizontal adds. Larger tiles take their heads two at a time, the four rows then in L1.
+  // Returns the tokens done (a multiple of four).
+  template <typename T>
+  static int64_t tokens_by_four8(const float* q, const T* k, int64_t n, int64_t D, float* scores, int64_t stride,
+                                 RowPrefetch& pf) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      pf.upto(t + 4);
+      for (int g = 0; g + 1 < GT; g += 2) four_tokens8<2>(q + g * D, k + t * D, D, scores + g * stride + t, stride);
+      if constexpr (GT % 2 == 1) four_tokens8<1>(q + (GT - 1) * D, k + t * D, D, scores + (GT - 1) * stride + t, stride);
+    }
+    return t;
+  }
+  template <int H, typename T>
+  __attribute__((always_inline)) static void four_tokens8(const float* q, const T* k, int64_t D, float* scores,
+                                                          int64_t stride) {
+    Lanes a[4][H];
+    for (int i = 0; i < 4; ++i)
+      for (int h = 0; h < H; ++h) a[i][h] = lanes_zero();
+    for (int64_t d = 0; d < D; d += 16) {
+      Lanes q0[H], q1[H];
+      for (int h = 0; h < H; ++h) q0[h] = lanes_loadu(q + h * D + d), q1[h] = lanes_loadu(q + h * D + d + 8);
+      for (int i = 0; i < 4; ++i) {
+        Lanes k0, k1;
+        lanes_load16(k + i * D + d, k0, k1);
+        for (int h = 0; h < H; ++h) a[i][h] = lanes_fmadd(q1[h], k1, lanes_fmadd(q0[h], k0, a[i][h]));
+      }
+    }
+    // hadd twice leaves, per 128-bit half, the four tokens' partial sums of one head.
+    for (int h = 0; h < H; ++h) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0][h], a[1][h]), _mm256_hadd_ps(a[2][h], a[3][h]));
+      _mm_storeu_ps(scores + h * stride, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+  }
+#endif
   // Tiles too big to keep the query in registers: kTokens tokens (rows of k) against H <= kHeads
   // query heads at a time, each 16-element chunk of the H query rows loaded once for all the tokens
   // (kTokens + H loads for kTokens x H multiply-adds, as many independent chains, one reduction per
@@ -139,8 +182,13 @@ struct FloatTile {
     // step, in perf). Here in 8-float vectors: GT x P accumulators, P V chunks and a broadcast.
     constexpr int P = (GT + 1) * 4 + 1 <= 16 ? 4 : 2;  // 8-float chunks, even: V is read 16 at a time
     int64_t d = 0;
-    for (; d + P * 8 <= D; d += P * 8) panel8<P>(p, stride, v, n, D, acc, d, pf);
-    if constexpr (P > 2) for (; d + 16 <= D; d += 16) panel8<2>(p, stride, v, n, D, acc, d, pf);
+    for (int64_t t0 = 0; t0 < n; t0 += kWindow) {
+      const int64_t t1 = std::min(n, t0 + kWindow);
+      d = 0;
+      for (; d + P * 8 <= D; d += P * 8) panel8<P>(p, stride, v, t0, t1, D, acc, d, pf);
+      if constexpr (P > 2) for (; d + 16 <= D; d += 16) panel8<2>(p, stride, v, t0, t1, D, acc, d, pf);
+    }
+    if (n == 0) d = D / 16 * 16;
 #else
     constexpr int P = GT * 8 <= 16 ? 8 : GT * 4 <= 16 ? 4 : 2;
     int64_t d = 0;
@@ -155,16 +203,17 @@ struct FloatTile {
         for (int g = 0; g < GT; ++g) acc[g * D + d] += p[g * stride + t] * element_value(v[t * D + d]);
   }
 #if defined(MINIPAGED_LANES) && !defined(__AVX512F__)
+  static constexpr int64_t kWindow = 16;
   template <int P, typename T>
-  static void panel8(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, float* acc, int64_t d,
-                     RowPrefetch& pf) {
+  static void panel8(const float* p, int64_t stride, const T* v, int64_t t0, int64_t t1, int64_t D, float* acc,
+                     int64_t d, RowPrefetch& pf) {
     Lanes a[GT][P];
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) a[g][c] = lanes_loadu(acc + g * D + d + c * 8);
     // Only the first panel of a block drives the prefetch stream (the rest re-read rows it brought
     // in): its bookkeeping per token cost as many instructions as the panel's arithmetic.
     auto tokens = [&](auto prefetching) __attribute__((always_inline)) {
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         if constexpr (prefetching) pf.upto(t + 1);
         Lanes vv[P];
         for (int c = 0; c < P; c += 2) lanes_load16(v + t * D + d + c * 8, vv[c], vv[c + 1]);
@@ -174,7 +223,7 @@ struct FloatTile {
         }
       }
     };
-    if (pf.finished()) tokens(std::false_type{});
+    if (d != 0 || pf.finished()) tokens(std::false_type{});
     else tokens(std::true_type{});
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < P; ++c) lanes_storeu(acc + g * D + d + c * 8, a[g][c]);

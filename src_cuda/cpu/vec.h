@@ -248,6 +248,33 @@ struct bf16_pairs {
   uint16_t bits;
 };
 inline float element_value(bf16_pairs x) { return static_cast<float>(c10::BFloat16(x.bits, c10::BFloat16::from_bits())); }
+// An fp8 cache element (T: fp8_e4m3 or fp8_e5m2) that AVX2's decode reads in the same pair order
+// (lanes.h): 16 bytes widened with their sign to 16-bit lanes, then each element put into a float32's
+// sign, exponent and mantissa fields by one shift and a mask (5 instructions for 16 elements; the
+// float16 route took 6 with two 2-uop conversions, and they bound the 8-bit decode on AVX2). The fp8
+// exponent lands in the float32's exponent field unrebiased, so the float is the element's raw value
+// (element_value of T) times 2^-112, fp8 subnormals becoming float32 subnormals with the same factor;
+// the work item multiplies the query and the probabilities by kFp8PairsScale instead, so that no
+// product is subnormal.
+template <typename T>
+struct fp8_pairs {
+  uint8_t bits;
+};
+constexpr float kFp8PairsScale = 0x1p112f;
+// Where the byte's top bit lands (the shift of the even element of a 32-bit lane) and which bits
+// are kept: the sign (bit 31, a copy of it) and the exponent and mantissa (below bit 27 or 28).
+template <typename T>
+constexpr int kFp8PairsShift = std::is_same_v<T, fp8_e4m3> ? 20 : 21;
+template <typename T>
+constexpr uint32_t kFp8PairsMask = std::is_same_v<T, fp8_e4m3> ? 0x87F00000u : 0x8FE00000u;
+template <typename T>
+inline float element_value(fp8_pairs<T> x) {
+  const uint32_t b = x.bits;
+  const uint32_t bits = ((b & 0x80u) << 24) | ((b & 0x7Fu) << kFp8PairsShift<T>);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 // Rows whose chunks of 2K floats hold the chunk's K even elements, then its K odd ones (AVX2's pair
 // order, K = 8; the AMX P.V sums, K = 16, tile_amx.h), from and to plain order; a last part shorter
 // than a chunk stays as it is.
