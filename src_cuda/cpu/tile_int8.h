@@ -128,17 +128,28 @@ struct Int8Tile {
     // beside the row pair, its two interleaves and the GT weights.
     constexpr int kBudget = kLanes == 16 ? 20 : 6;
     constexpr int C = 2 * GT * 4 <= kBudget ? 4 : 2 * GT * 2 <= kBudget ? 2 : 1;
-    int64_t d = 0;
-    for (; d + C * kChunk <= D; d += C * kChunk) accumulate_int8_panel<C>(packed, w_scale, v, n, D, acc + d, d, pf);
-    for (; d < D; d += kChunk) accumulate_int8_panel<1>(packed, w_scale, v, n, D, acc + d, d, pf);
+    // Where a panel is narrower than a row (AVX2), the block is walked in windows of kWindowPairs
+    // row pairs through every panel, so that V is read row by row (FloatTile::accumulate's reason).
+    const int64_t num_pairs = (n + 1) / 2;
+    const int64_t window = C * kChunk < D ? kWindowPairs : num_pairs;
+    for (int64_t i0 = 0; i0 < num_pairs; i0 += window) {
+      const int64_t i1 = std::min(num_pairs, i0 + window);
+      int64_t d = 0;
+      for (; d + C * kChunk <= D; d += C * kChunk)
+        accumulate_int8_panel<C>(packed, w_scale, v, i0, i1, n, D, acc + d, d, pf);
+      for (; d < D; d += kChunk) accumulate_int8_panel<1>(packed, w_scale, v, i0, i1, n, D, acc + d, d, pf);
+    }
     pf.upto(pf.rows);
   }
+  static constexpr int64_t kWindowPairs = 8;
+  // Row pairs [i0, i1) of the block into acc's columns [d, d + C * kChunk).
   template <int C>
-  static void accumulate_int8_panel(const uint32_t (*packed)[kMaxPairs], const float* w_scale, const int8_t* v, int64_t n,
-                                    int64_t D, float* acc, int64_t d, RowPrefetch& pf) {
+  static void accumulate_int8_panel(const uint32_t (*packed)[kMaxPairs], const float* w_scale, const int8_t* v,
+                                    int64_t i0, int64_t i1, int64_t n, int64_t D, float* acc, int64_t d,
+                                    RowPrefetch& pf) {
     PairInts lo_sum[GT][C], hi_sum[GT][C];
     v += d;
-    // Only a block's first panel drives the prefetch stream (the others re-read its rows).
+    // Only a window's first panel drives the prefetch stream (the others re-read its rows).
     auto pair = [&](int64_t i, auto first, auto prefetching) __attribute__((always_inline)) {
       if constexpr (prefetching) pf.upto(2 * i + 2);
       PairInts pp[GT];
@@ -157,10 +168,10 @@ struct Int8Tile {
       }
     };
     auto pairs = [&](auto prefetching) __attribute__((always_inline)) {
-      pair(0, std::true_type{}, prefetching);  // n >= 1
-      for (int64_t i = 1; 2 * i < n; ++i) pair(i, std::false_type{}, prefetching);
+      pair(i0, std::true_type{}, prefetching);  // i0 < i1
+      for (int64_t i = i0 + 1; i < i1; ++i) pair(i, std::false_type{}, prefetching);
     };
-    if (pf.finished()) pairs(std::false_type{});
+    if (d != 0 || pf.finished()) pairs(std::false_type{});
     else pairs(std::true_type{});
 #pragma GCC unroll 8
     for (int g = 0; g < GT; ++g) {
