@@ -92,7 +92,7 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   // it and the accumulators put back at the end. fp8's query and probabilities are multiplied by
   // kFp8PairsScale: not where that could overflow the query (beyond any real one) or denormals
   // read as zero.
-  constexpr bool kPairsOf = std::is_same_v<T, c10::BFloat16> || kFp8<T>;
+  constexpr bool kPairOrderable = std::is_same_v<T, c10::BFloat16> || kFp8<T>;
   auto small_query = [&] {  // q * kFp8PairsScale below 2^127; false for NaN too
     for (int64_t i = 0; i < num_heads * D; ++i)
       if (!(std::abs(q[i]) < 0x1p15f)) return false;
@@ -100,14 +100,14 @@ void decode_work_item(const float* q,  // [num_heads, head_dim] of this sequence
   };
   const bool pair_order = std::is_same_v<T, c10::BFloat16> || (kFp8<T> && fp8_pairs_allowed() && small_query());
 #else
-  constexpr bool kPairsOf = false;
+  constexpr bool kPairOrderable = false;
   const bool pair_order = false;
 #endif
   const bool fp8_pairs_scaled = kFp8<T> && pair_order;
   // Calls f(rows) with the rows at p as the tiles read them: in pair order or as they are.
   auto with_rows = [&](const T* p, auto&& f) {
-    if constexpr (std::is_same_v<T, c10::BFloat16> && kPairsOf) return f(reinterpret_cast<const bf16_pairs*>(p));
-    else if constexpr (kFp8<T> && kPairsOf) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kPairOrderable) return f(reinterpret_cast<const bf16_pairs*>(p));
+    else if constexpr (kFp8<T> && kPairOrderable) {
       if (pair_order) return f(reinterpret_cast<const fp8_pairs<T>*>(p));
       return f(p);
     } else return f(p);
