@@ -226,22 +226,18 @@ inline void lanes_load16(const fp8_pairs<T>* p, Lanes& even, Lanes& odd) {
 // Whether the fp8 pair order may be used: not where denormals are read as zero (MXCSR's DAZ, as
 // torch.set_flush_denormal sets it), which would zero its subnormals.
 inline bool fp8_pairs_allowed() { return (_mm_getcsr() & (1u << 6)) == 0; }
-// The same as one f32x16, for the Q.K tiles (vec.h's load16 overloads).
+// The same as one f32x16, for the Q.K tiles (vec.h's load16 overloads). P: bf16_pairs or fp8_pairs.
+template <typename P>
+inline f32x16 load16_of_pairs(const P* p) {
+  Lanes halves[2];
+  lanes_load16(p, halves[0], halves[1]);
+  f32x16 out;
+  std::memcpy(&out, halves, sizeof(out));
+  return out;
+}
+inline f32x16 load16(const bf16_pairs* p) { return load16_of_pairs(p); }
 template <typename T>
-inline f32x16 load16(const fp8_pairs<T>* p) {
-  Lanes halves[2];
-  lanes_load16(p, halves[0], halves[1]);
-  f32x16 out;
-  std::memcpy(&out, halves, sizeof(out));
-  return out;
-}
-inline f32x16 load16(const bf16_pairs* p) {
-  Lanes halves[2];
-  lanes_load16(p, halves[0], halves[1]);
-  f32x16 out;
-  std::memcpy(&out, halves, sizeof(out));
-  return out;
-}
+inline f32x16 load16(const fp8_pairs<T>* p) { return load16_of_pairs(p); }
 inline void lanes_load16(const fp8_e5m2* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 inline void lanes_load16(const fp8_e4m3* p, Lanes& lo, Lanes& hi) { lanes_half_bits(half_bits(p), lo, hi); }
 #endif

@@ -191,7 +191,6 @@ struct FloatTile {
       for (; d + P * 8 <= D; d += P * 8) panel8<P>(p, stride, v, t0, t1, D, acc, d, pf);
       if constexpr (P > 2) for (; d + 16 <= D; d += 16) panel8<2>(p, stride, v, t0, t1, D, acc, d, pf);
     }
-    if (n == 0) d = D / 16 * 16;
 #else
     constexpr int P = GT * 8 <= 16 ? 8 : GT * 4 <= 16 ? 4 : 2;
     int64_t d = 0;
